@@ -1,0 +1,32 @@
+# The README's commands. CI runs `make test` through .ci/run and nothing else.
+PYTHON ?= python3
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install demo test lint typecheck crds-check pytest cluster-up cluster-down
+
+install:
+	bash hack/install.sh
+
+demo: install
+	bash hack/demo.sh
+
+lint:
+	$(PYTHON) -m ruff check engine operator tests hack
+	$(PYTHON) -m ruff format --check engine operator tests hack
+
+typecheck:
+	$(PYTHON) -m mypy
+
+crds-check:
+	$(PYTHON) -m davit_operator.api.crdgen --check
+
+pytest:
+	$(PYTHON) -m pytest tests
+
+test: install lint typecheck crds-check pytest
+
+cluster-up: install
+	$(PYTHON) -m davit_operator.devcluster up
+
+cluster-down:
+	$(PYTHON) -m davit_operator.devcluster down

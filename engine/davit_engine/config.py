@@ -1,0 +1,78 @@
+"""Engine configuration: one frozen dataclass built from CLI flags or the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from davit_engine.types import ParamError
+
+RunnerKind = Literal["auto", "v1", "v2"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. Flag names mirror the upstream engine's.
+
+    `model` is a Hugging Face safetensors directory, a `.gguf` file, or `random:<shape>` for
+    random weights of a named shape (`smollm2-135m`, `qwen3-0.6b`, `llama-3.1-8b`, ...).
+    """
+
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: DType = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # None: from the model config, capped by KV capacity
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queue_len: int | None = None  # None: unbounded waiting queue
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks: int | None = None  # explicit KV block count (overrides memory sizing)
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    runner: RunnerKind = "auto"
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+    trust_remote_code: bool = False
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ParamError("--block-size", f"must be one of 8/16/32/64/128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ParamError("--max-num-seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ParamError(
+                "--max-num-batched-tokens",
+                f"must be at least 1, got {self.max_num_batched_tokens}",
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ParamError("--max-model-len", f"must be at least 1, got {self.max_model_len}")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ParamError(
+                "--max-num-batched-tokens",
+                "must be >= --max-model-len when chunked prefill is disabled",
+            )
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ParamError("--max-queue-len", f"must be >= 0, got {self.max_queue_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ParamError(
+                "--gpu-memory-utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}",
+            )
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ParamError("--num-gpu-blocks-override", "must be at least 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ParamError("--kv-cache-memory-bytes", "must be positive")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

