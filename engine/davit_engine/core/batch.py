@@ -1,0 +1,73 @@
+"""The contract between the scheduler and the model runners.
+
+`Scheduler.schedule()` returns a `SchedulerOutput`; a runner executes it and returns a
+`RunnerOutput`; `Scheduler.update_from_output()` turns that into `RequestDelta`s. Plain data only:
+no torch here, so the scheduler stays testable without a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from davit_engine.types import SamplingParams, TokenLogprob
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes tokens `token_ids[num_computed_tokens : num_computed_tokens +
+    num_new_tokens]`, writing their K/V into the slots given by `block_ids`, and samples one
+    token when `needs_sample` is set (a decode step, or the last chunk of a prefill).
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt + generated so far; shared with the scheduler, read-only here
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits included)
+    num_new_tokens: int
+    block_ids: list[int]  # the whole block table; covers num_computed_tokens + num_new_tokens
+    sampling: SamplingParams
+    needs_sample: bool
+    is_new: bool = False  # first time this request (or its recompute after preemption) runs
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step, plus the changes since the previous step.
+
+    `finished_ids` and `preempted_ids` let a runner that keeps persistent per-request state
+    (runner V2) drop it; a preempted request later comes back with `is_new=True`.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens, one entry per scheduled request in `SchedulerOutput.scheduled` order.
+
+    `sampled_token_ids[i]` is None where that request did not sample this step (a prefill chunk
+    that is not the last one). `logprobs[i]` is set only where the request asked for them.
+    """
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[TokenLogprob | None] | None = None

@@ -1,0 +1,35 @@
+"""The runner interface that runner V1 and runner V2 both implement."""
+
+from __future__ import annotations
+
+import abc
+
+from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+
+
+class ModelRunner(abc.ABC):
+    """Owns the device: weights, the paged KV cache, input preparation, forward and sampling.
+
+    Contract:
+    - `determine_num_blocks()` is called once after the weights are loaded and returns how many
+      KV blocks fit (from the explicit override, or by profiling memory); then
+      `initialize_kv_cache(n)` allocates exactly `n` blocks of `block_size` tokens.
+    - `execute(batch)` runs one step and returns one entry per scheduled request, in order.
+      Sampling is reproducible per request when `SamplingParams.seed` is set, independent of
+      which other requests share the batch.
+    - Block ids in `batch` index the KV cache allocated here; the runner never allocates blocks.
+    """
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, most runners need nothing
+        """Release device resources. Safe to call twice."""
