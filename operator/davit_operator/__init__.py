@@ -1,0 +1,1 @@
+"""Davit operator: reconciles InferenceService objects into engine Deployments."""
