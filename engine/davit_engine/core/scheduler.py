@@ -1,0 +1,331 @@
+"""Continuous batching: which requests run each step, with how many tokens, in which KV blocks.
+
+One step is `schedule()` → the runner executes the `SchedulerOutput` → `update_from_output()`.
+The two calls alternate: `schedule()` counts the tokens it hands out as computed, and
+`update_from_output()` appends what the runner sampled, finishes requests and registers the
+blocks that became full in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from davit_engine.core.block_manager import BlockManager
+from davit_engine.core.request import Request, RequestStatus
+from davit_engine.types import EngineRequest, EngineStats, FinishReason, ParamError, RequestDelta
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full: the request was NOT accepted; retry after `retry_after` s.
+
+    The front end answers HTTP 429 with a `Retry-After` header (rounded up to whole seconds).
+    """
+
+    def __init__(self, num_queued: int, max_queue_len: int, retry_after: float) -> None:
+        super().__init__(
+            f"the engine's queue is full ({num_queued} requests queued, --max-queue-len "
+            f"{max_queue_len}); retry after {retry_after:g} s"
+        )
+        self.num_queued = num_queued
+        self.max_queue_len = max_queue_len
+        self.retry_after = retry_after
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Each step first serves the running requests in admission order (decodes and continuing
+    prefill chunks), then admits waiting requests in arrival order while the token budget
+    (`max_num_batched_tokens`), the sequence limit (`max_num_seqs`) and free KV blocks allow.
+    When a running request needs a block and none is free, the most recently admitted running
+    request is preempted: its blocks are freed and it goes back to the front of the queue to be
+    recomputed (prompt and outputs so far) later. An accepted request is never dropped: it ends
+    only by finishing or by `abort()`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        *,
+        queue_retry_after: float = 1.0,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        # A request may grow only as far as the whole KV cache holds: a longer one would
+        # preempt itself forever. It stops with LENGTH there instead.
+        max_model_len = min(max_model_len, num_blocks * config.block_size)
+        if max_model_len < 2:
+            raise ParamError(
+                "--max-model-len",
+                f"must leave room for a prompt token and an output token, got {max_model_len}",
+            )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # A preempted request is recomputed in one piece, up to max_model_len tokens.
+            raise ParamError(
+                "--max-num-batched-tokens",
+                f"must be >= max_model_len ({max_model_len}) when chunked prefill is disabled, "
+                f"got {config.max_num_batched_tokens}",
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_queue_len = config.max_queue_len
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.queue_retry_after = queue_retry_after
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the last one is preempted first
+        self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
+        self._num_preemptions = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request, or refuse it without side effects.
+
+        Raises ParamError("prompt") for an empty prompt or one that leaves no room for a single
+        output token within max_model_len or the KV cache, ParamError("request_id") for an id
+        already in use, and QueueFullError when `max_queue_len` requests already wait beyond
+        the free running slots (requests about to take a free slot do not count as queued).
+        """
+        request_id = engine_request.request_id
+        if request_id in self._requests:
+            raise ParamError("request_id", f"request id {request_id!r} is already in use")
+        num_prompt = len(engine_request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ParamError("prompt", "the prompt must contain at least one token")
+        if num_prompt + 1 > self.max_model_len:
+            raise ParamError(
+                "prompt",
+                f"the prompt has {num_prompt} tokens; with at least 1 output token this exceeds "
+                f"the maximum context length of {self.max_model_len} tokens"
+                + self._capacity_note(),
+            )
+        num_queued = self.num_queued
+        if self.max_queue_len is not None and num_queued >= self.max_queue_len:
+            raise QueueFullError(num_queued, self.max_queue_len, self.queue_retry_after)
+        req = Request.from_engine_request(engine_request)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def _capacity_note(self) -> str:
+        capacity = self.block_manager.num_blocks * self.block_size
+        if capacity > self.max_model_len:
+            return ""
+        return f" (capped by the KV cache: {self.block_manager.num_blocks} blocks of {self.block_size})"
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request now and free its blocks.
+
+        Returns False when the id is unknown or already finished. The id is reported in the
+        next SchedulerOutput's `finished_ids`; no RequestDelta is emitted for it.
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step and count its tokens as computed.
+
+        Every scheduled request's block table covers `num_computed_tokens + num_new_tokens`
+        tokens when this returns. `ScheduledRequest.token_ids` and `.block_ids` are the
+        request's own lists (no copies): the runner must treat them as read-only.
+        """
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        running = self._running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                # Nothing to compute: its last sample has not been appended (misuse guard).
+                i += 1
+                continue
+            num_needed = req.num_computed_tokens + num_new
+            while not bm.can_append_slots(req, num_needed):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            bm.append_slots(req, num_needed)
+            scheduled.append(self._make_scheduled(req, num_new, is_new=False))
+            budget -= num_new
+            i += 1
+
+        # After a preemption there are no blocks to spare for newcomers.
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+
+        out = SchedulerOutput(scheduled, self._finished_ids, preempted)
+        self._finished_ids = []
+        return out
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        bm = self.block_manager
+        waiting = self._waiting
+        running = self._running
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting[0]
+            cached_block_ids = bm.match_prefix(req)
+            num_cached = len(cached_block_ids) * self.block_size
+            num_new = len(req.token_ids) - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break  # FCFS: later requests wait behind it rather than overtake it
+                num_new = budget
+            if not bm.can_allocate(cached_block_ids, num_cached + num_new):
+                break
+            bm.allocate(req, cached_block_ids, num_cached + num_new)
+            waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            running.append(req)
+            scheduled.append(self._make_scheduled(req, num_new, is_new=True))
+            budget -= num_new
+        return budget
+
+    def _make_scheduled(self, req: Request, num_new: int, is_new: bool) -> ScheduledRequest:
+        num_computed = req.num_computed_tokens
+        req.num_computed_tokens = num_computed + num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed_tokens=num_computed,
+            num_new_tokens=num_new,
+            block_ids=req.block_ids,
+            sampling=req.sampling,
+            needs_sample=num_computed + num_new == len(req.token_ids),
+            is_new=is_new,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestDelta]:
+        """Apply the runner's samples for `out`; return one delta per request that got a token.
+
+        Requests aborted while the step ran are skipped. Finished requests free their blocks
+        (full ones stay in the prefix cache) and are reported in the next `finished_ids`.
+        """
+        scheduled = out.scheduled
+        sampled = res.sampled_token_ids
+        if len(sampled) != len(scheduled):
+            raise ValueError(
+                f"runner returned {len(sampled)} samples for {len(scheduled)} scheduled requests"
+            )
+        logprobs = res.logprobs
+        bm = self.block_manager
+        requests = self._requests
+        max_model_len = self.max_model_len
+        deltas: list[RequestDelta] = []
+        any_finished = False
+        for i, sreq in enumerate(scheduled):
+            req = requests.get(sreq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            bm.cache_full_blocks(req, sreq.num_computed_tokens + sreq.num_new_tokens)
+            token_id = sampled[i]
+            if token_id is None:
+                continue
+            reason = req.append_output_token(token_id, max_model_len)
+            self._generation_tokens_total += 1
+            if req.num_output_tokens == 1:
+                self._prompt_tokens_total += req.num_prompt_tokens
+            logprob = logprobs[i] if logprobs is not None else None
+            deltas.append(
+                RequestDelta(
+                    request_id=req.request_id,
+                    new_token_ids=[token_id],
+                    logprobs=[logprob] if logprob is not None else None,
+                    finish_reason=reason,
+                    stop_token_id=req.stop_token_id,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+            if reason is not None:
+                del requests[req.request_id]
+                self._finish(req, reason)
+                any_finished = True
+        if any_finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        return deltas
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self._finished_ids.append(req.request_id)
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the queue, preempted ones included."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the running slots still free: what max_queue_len limits."""
+        free_slots = max(0, self.max_num_seqs - len(self._running))
+        return max(0, len(self._waiting) - free_slots)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id; None once it finished or was aborted."""
+        return self._requests.get(request_id)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=bm.usage,
+            num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self._num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
