@@ -1,0 +1,144 @@
+"""A deterministic stand-in for a model runner that checks the scheduler's KV bookkeeping.
+
+Real K/V at a position depend on the whole prefix up to it. The simulated runner stores, per
+KV slot (block id, offset), a digest of the prefix ending at that position, and computes each
+new position from the previous position's digest READ BACK FROM THE CACHE, the way attention
+reads earlier K/V. A wrong prefix-cache hit, a block table missing a slot, or a block reused
+while another request still needs it therefore either fails a check here or changes the
+sampled tokens, which tests compare against an uncontended reference run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+from davit_engine.core.scheduler import Scheduler
+from davit_engine.types import EngineRequest, RequestDelta, TokenLogprob
+
+_MASK = (1 << 61) - 1
+_ROOT = 0x5EED
+
+
+def mix(prev: int, token_id: int) -> int:
+    """Digest of a prefix from the digest of the prefix one shorter and the next token."""
+    return hash((prev, token_id)) & _MASK
+
+
+def prefix_digest(token_ids: list[int], end: int) -> int:
+    """Digest of `token_ids[:end]` computed directly, without any cache."""
+    value = _ROOT
+    for token_id in token_ids[:end]:
+        value = mix(value, token_id)
+    return value
+
+
+class SimRunner:
+    """Executes SchedulerOutputs against a simulated paged KV cache.
+
+    The next token is a pure function of the whole sequence so far (`digest % vocab_size`), so
+    a request's output is the same whatever it is batched with, preempted or served from the
+    prefix cache. `eos_token_id`, when given, is emitted whenever `digest % eos_every == 0`.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        eos_token_id: int | None = None,
+        eos_every: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_every = eos_every
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.num_computed_total = 0  # tokens whose K/V this runner computed, over all steps
+        self.steps: list[SchedulerOutput] = []
+
+    def next_token(self, digest: int) -> int:
+        if self.eos_token_id is not None and self.eos_every and digest % self.eos_every == 0:
+            return self.eos_token_id
+        return digest % self.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(out)
+        bs = self.block_size
+        written: dict[tuple[int, int], str] = {}
+        sampled: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        for sreq in out.scheduled:
+            start = sreq.num_computed_tokens
+            end = start + sreq.num_new_tokens
+            tokens = sreq.token_ids
+            assert sreq.num_new_tokens > 0, sreq
+            assert end <= len(tokens), f"{sreq.request_id} computes past its tokens"
+            assert len(sreq.block_ids) * bs >= end, f"{sreq.request_id}: block table too short"
+            if start:
+                last = start - 1
+                prev = self.kv[sreq.block_ids[last // bs]][last % bs]
+                # The cached prefix must be exactly this request's prefix.
+                assert prev == prefix_digest(tokens, start), f"{sreq.request_id}: stale KV"
+            else:
+                prev = _ROOT
+            assert prev is not None
+            for pos in range(start, end):
+                prev = mix(prev, tokens[pos])
+                slot = (sreq.block_ids[pos // bs], pos % bs)
+                other = written.setdefault(slot, sreq.request_id)
+                assert other == sreq.request_id, f"{slot} written by {other} and {sreq.request_id}"
+                self.kv[slot[0]][slot[1]] = prev
+            self.num_computed_total += end - start
+            if sreq.needs_sample:
+                assert end == len(tokens), f"{sreq.request_id} samples before its last token"
+                token = self.next_token(prev)
+                sampled.append(token)
+                want = sreq.sampling.logprobs
+                logprobs.append(TokenLogprob(token, -0.5) if want is not None else None)
+            else:
+                assert end < len(tokens), f"{sreq.request_id} skips the sample of its last token"
+                sampled.append(None)
+                logprobs.append(None)
+        return RunnerOutput(sampled, logprobs)
+
+
+def make_config(**overrides: Any) -> EngineConfig:
+    """A small valid config: blocks of 4 tokens, a 64-token step budget."""
+    base = EngineConfig(model="sim", block_size=4, max_num_batched_tokens=64)
+    return dataclasses.replace(base, **overrides)
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: SimRunner, max_steps: int = 10_000
+) -> dict[str, list[RequestDelta]]:
+    """Step until nothing is unfinished; return every request's deltas in order."""
+    deltas: dict[str, list[RequestDelta]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return deltas
+        out = scheduler.schedule()
+        assert out.scheduled, "the scheduler made no progress with work pending"
+        for delta in scheduler.update_from_output(out, runner.execute(out)):
+            deltas.setdefault(delta.request_id, []).append(delta)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def output_tokens(deltas: list[RequestDelta]) -> list[int]:
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+def reference_outputs(
+    requests: list[EngineRequest], max_model_len: int, **runner_kwargs: Any
+) -> dict[str, list[int]]:
+    """Each request's output when run alone with plenty of blocks and no prefix cache."""
+    result: dict[str, list[int]] = {}
+    for req in requests:
+        config = make_config(enable_prefix_caching=False)
+        scheduler = Scheduler(config, num_blocks=4096, max_model_len=max_model_len)
+        runner = SimRunner(4096, 4, **runner_kwargs)
+        scheduler.add_request(req)
+        result[req.request_id] = output_tokens(run_to_completion(scheduler, runner)[req.request_id])
+    return result
