@@ -1,0 +1,494 @@
+"""LocalCluster: a real Kubernetes control plane on loopback, with KWOK fake nodes.
+
+Components: etcd, kube-apiserver (Node and RBAC authorization), kube-controller-manager,
+kube-scheduler and kwok (which plays the kubelet of every fake node: node heartbeats and leases,
+pod readiness, completion and deletion). Every listener binds to 127.0.0.1 on a free port, pods get
+addresses from 127.64.0.0/16, and all state and logs live in one state folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from .certs import ClientIdentity, Pki, generate_pki
+from .nodes import DEFAULT_NODES, KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, FakeNode
+from .paths import STAGE_FILES, default_bin_dir, default_stage_dir, missing_tools
+from .process import (
+    ClusterError,
+    ProcessRecord,
+    free_ports,
+    process_start_ticks,
+    spawn,
+    terminate,
+    wait_healthy,
+)
+
+# Pod addresses stay on loopback so nothing a test does can reach a real network.
+POD_CIDR = "127.64.0.0/16"
+NODE_IP = "127.0.0.1"
+# Service ClusterIPs are only allocated, never routed (there is no kube-proxy), so they cannot
+# carry traffic; the API server requires a range outside loopback.
+SERVICE_CIDR = "10.96.0.0/16"
+FIRST_SERVICE_IP = "10.96.0.1"
+STATE_FILE = "cluster.json"
+
+ADMIN = ClientIdentity("admin", "davit-admin", ("system:masters",))
+CONTROLLER_MANAGER = ClientIdentity("kube-controller-manager", "system:kube-controller-manager")
+SCHEDULER = ClientIdentity("kube-scheduler", "system:kube-scheduler")
+# kwok acts as the kubelet of every fake node at once; the Node authorizer admits one node per
+# identity, so kwok runs with cluster-admin rights instead.
+KWOK = ClientIdentity("kwok", "kwok-controller", ("system:masters",))
+# Order matters: each component needs the ones before it.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+class LocalCluster:
+    """A local control plane. Use as a context manager, or call ``start()`` and ``stop()``.
+
+    ``state_dir`` holds certificates, kubeconfigs, etcd data and one log per component; when it is
+    None a temporary folder is used and removed by ``stop()``. ``detached`` processes outlive this
+    Python process (the CLI's ``up``); attached ones are terminated when it exits.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path | None = None,
+        bin_dir: Path | None = None,
+        *,
+        nodes: Sequence[FakeNode] = DEFAULT_NODES,
+        detached: bool = False,
+        startup_timeout: float = 180.0,
+    ) -> None:
+        self.bin_dir = Path(bin_dir) if bin_dir is not None else default_bin_dir()
+        self.stage_dir = default_stage_dir(self.bin_dir)
+        self._owns_state_dir = state_dir is None
+        self.state_dir = Path(state_dir) if state_dir is not None else Path()
+        self.nodes = tuple(nodes)
+        self.detached = detached
+        self.startup_timeout = startup_timeout
+        self.startup_seconds: float | None = None
+        self._server: str | None = None
+        self._kubeconfig: Path | None = None
+        self._records: list[ProcessRecord] = []
+        self._children: list[subprocess.Popen[bytes]] = []
+        self._owns_processes = True
+
+    # ---- construction from an existing cluster -------------------------------------------------
+
+    @classmethod
+    def connect(cls, kubeconfig: Path, bin_dir: Path | None = None) -> LocalCluster:
+        """A handle on an already running cluster; ``stop()`` leaves it running."""
+        kubeconfig = Path(kubeconfig)
+        if not kubeconfig.is_file():
+            raise ClusterError(f"kubeconfig {kubeconfig} does not exist")
+        config = yaml.safe_load(kubeconfig.read_text())
+        try:
+            server = str(config["clusters"][0]["cluster"]["server"])
+        except (KeyError, IndexError, TypeError) as err:
+            raise ClusterError(f"kubeconfig {kubeconfig} names no cluster server") from err
+        cluster = cls(state_dir=kubeconfig.parent, bin_dir=bin_dir)
+        cluster._owns_state_dir = False
+        cluster._owns_processes = False
+        cluster._server = server
+        cluster._kubeconfig = kubeconfig
+        return cluster
+
+    @classmethod
+    def from_state(cls, state_dir: Path) -> LocalCluster | None:
+        """The cluster recorded in ``state_dir`` by a detached start, or None if none was."""
+        state_file = Path(state_dir) / STATE_FILE
+        if not state_file.is_file():
+            return None
+        state = json.loads(state_file.read_text())
+        cluster = cls(state_dir=Path(state_dir), bin_dir=Path(state["bin_dir"]), detached=True)
+        cluster._server = state["server"]
+        cluster._kubeconfig = Path(state["kubeconfig"])
+        cluster.startup_seconds = state.get("startup_seconds")
+        cluster._records = [ProcessRecord(**p) for p in state["processes"]]
+        return cluster
+
+    # ---- public surface ------------------------------------------------------------------------
+
+    @property
+    def server(self) -> str:
+        """The API server URL (``https://127.0.0.1:<port>``)."""
+        if self._server is None:
+            raise ClusterError("the cluster is not started; call start() first")
+        return self._server
+
+    @property
+    def kubeconfig(self) -> Path:
+        """Path of the admin kubeconfig (cluster-admin via the system:masters group)."""
+        if self._kubeconfig is None:
+            raise ClusterError("the cluster is not started; call start() first")
+        return self._kubeconfig
+
+    @property
+    def processes(self) -> list[ProcessRecord]:
+        return list(self._records)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    def is_running(self) -> bool:
+        """True when every component process is alive (always True for a connected cluster)."""
+        if not self._owns_processes:
+            return True
+        return bool(self._records) and all(r.is_alive() for r in self._records)
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 120.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the cluster's kubectl against this cluster; output is captured as text.
+
+        With ``check`` a non-zero exit raises ClusterError carrying kubectl's stderr.
+        """
+        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        try:
+            result = subprocess.run(
+                argv, input=input, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except FileNotFoundError as err:
+            raise ClusterError(
+                f"kubectl not found in {self.bin_dir}; run `bash hack/controlplane/build.sh`"
+            ) from err
+        if check and result.returncode != 0:
+            raise ClusterError(
+                f"kubectl {' '.join(args)} failed (exit {result.returncode}): "
+                f"{result.stderr.strip() or result.stdout.strip()}"
+            )
+        return result
+
+    def kubectl_json(self, *args: str) -> Any:
+        """``kubectl <args> -o json``, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Starts every component, waits until all are healthy and the fake nodes are Ready.
+
+        Raises ClusterError (naming the component and quoting its log) on any failure, after
+        stopping whatever had already started.
+        """
+        missing = missing_tools(self.bin_dir, self.stage_dir)
+        if missing:
+            raise ClusterError(
+                "control-plane binaries are missing ("
+                + ", ".join(str(m) for m in missing[:3])
+                + (", ..." if len(missing) > 3 else "")
+                + "); build them with `bash hack/controlplane/build.sh` (or `make install`)"
+            )
+        if self._owns_state_dir:
+            self.state_dir = Path(tempfile.mkdtemp(prefix="davit-cluster-"))
+        started = time.monotonic()
+        try:
+            self._start_components(started + self.startup_timeout)
+            self._register_nodes(started + self.startup_timeout)
+        except BaseException:
+            self._stop_processes()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        self._write_state()
+        return self
+
+    def stop(self) -> None:
+        """Stops the components (newest first). A connected cluster is left running."""
+        if not self._owns_processes:
+            return
+        self._stop_processes()
+        (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+        if self._owns_state_dir and self.state_dir != Path():
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _start_components(self, deadline: float) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        etcd_dir = self.state_dir / "etcd"
+        shutil.rmtree(etcd_dir, ignore_errors=True)  # a fresh cluster every start
+        (
+            etcd_client,
+            etcd_peer,
+            apiserver_port,
+            kcm_port,
+            scheduler_port,
+            kwok_port,
+        ) = free_ports(6)
+        pki = generate_pki(
+            self.state_dir / "pki",
+            [ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK],
+            serving_ips=["127.0.0.1", "::1", FIRST_SERVICE_IP],
+        )
+        self._server = f"https://127.0.0.1:{apiserver_port}"
+        kubeconfigs = {
+            identity.file_stem: self._write_kubeconfig(pki, identity)
+            for identity in (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK)
+        }
+        self._kubeconfig = kubeconfigs[ADMIN.file_stem]
+        verified = ssl.create_default_context(cafile=str(pki.ca_cert))
+        verified.load_cert_chain(
+            str(pki.client_cert(ADMIN.file_stem)), str(pki.client_key(ADMIN.file_stem))
+        )
+        # kube-controller-manager and kube-scheduler serve /healthz with a self-signed
+        # certificate they generate at startup; the probe only talks to 127.0.0.1.
+        self_signed = ssl.create_default_context()
+        self_signed.check_hostname = False
+        self_signed.verify_mode = ssl.CERT_NONE
+
+        b = self.bin_dir
+        etcd_url = f"http://127.0.0.1:{etcd_client}"
+        peer_url = f"http://127.0.0.1:{etcd_peer}"
+        self._launch(
+            "etcd",
+            [
+                str(b / "etcd"),
+                "--name=davit",
+                f"--data-dir={etcd_dir}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=davit={peer_url}",
+                # A throwaway cluster: durability is not worth an fsync per write.
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+            f"{etcd_url}/health",
+            None,
+            deadline,
+            accept=lambda body: '"health":"true"' in body.replace(" ", ""),
+        )
+        kcm_kubeconfig = str(kubeconfigs[CONTROLLER_MANAGER.file_stem])
+        scheduler_kubeconfig = str(kubeconfigs[SCHEDULER.file_stem])
+        self._launch(
+            "kube-apiserver",
+            [
+                str(b / "kube-apiserver"),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={apiserver_port}",
+                f"--advertise-address={NODE_IP}",
+                f"--tls-cert-file={pki.serving_cert}",
+                f"--tls-private-key-file={pki.serving_key}",
+                f"--client-ca-file={pki.ca_cert}",
+                f"--service-account-key-file={pki.sa_public_key}",
+                f"--service-account-signing-key-file={pki.sa_private_key}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--profiling=false",
+                # The API server would write the "kubernetes" Service's endpoints with its
+                # advertise address, which endpoint validation rejects on loopback.
+                "--endpoint-reconciler-type=none",
+                "--v=1",
+            ],
+            f"{self._server}/readyz",
+            verified,
+            deadline,
+        )
+        self._launch(
+            "kube-controller-manager",
+            [
+                str(b / "kube-controller-manager"),
+                f"--kubeconfig={kcm_kubeconfig}",
+                f"--authentication-kubeconfig={kcm_kubeconfig}",
+                f"--authorization-kubeconfig={kcm_kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={self.state_dir / 'kube-controller-manager'}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki.sa_private_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                f"--cluster-signing-cert-file={pki.ca_cert}",
+                f"--cluster-signing-key-file={pki.ca_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--profiling=false",
+                "--v=1",
+            ],
+            f"https://127.0.0.1:{kcm_port}/healthz",
+            self_signed,
+            deadline,
+        )
+        self._launch(
+            "kube-scheduler",
+            [
+                str(b / "kube-scheduler"),
+                f"--kubeconfig={scheduler_kubeconfig}",
+                f"--authentication-kubeconfig={scheduler_kubeconfig}",
+                f"--authorization-kubeconfig={scheduler_kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={scheduler_port}",
+                f"--cert-dir={self.state_dir / 'kube-scheduler'}",
+                "--leader-elect=false",
+                "--profiling=false",
+                "--v=1",
+            ],
+            f"https://127.0.0.1:{scheduler_port}/healthz",
+            self_signed,
+            deadline,
+        )
+        self._launch(
+            "kwok",
+            [
+                str(b / "kwok"),
+                f"--kubeconfig={kubeconfigs[KWOK.file_stem]}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={KWOK_ANNOTATION_VALUE}",
+                f"--cidr={POD_CIDR}",
+                f"--node-ip={NODE_IP}",
+                "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{kwok_port}",
+                *(f"--config={self.stage_dir / name}" for name in STAGE_FILES),
+            ],
+            f"http://127.0.0.1:{kwok_port}/healthz",
+            None,
+            deadline,
+        )
+
+    def _launch(
+        self,
+        name: str,
+        argv: list[str],
+        health_url: str,
+        context: ssl.SSLContext | None,
+        deadline: float,
+        accept: Callable[[str], bool] = lambda body: True,
+    ) -> None:
+        log = self.log_dir / f"{name}.log"
+        child = spawn(name, argv, log, detached=self.detached)
+        self._children.append(child)
+        record = ProcessRecord(
+            name=name,
+            pid=child.pid,
+            start_ticks=process_start_ticks(child.pid) or 0,
+            log=str(log),
+            health_url=health_url,
+        )
+        self._records.append(record)
+        wait_healthy(record, context, deadline, lambda: child.poll() is None, accept)
+
+    def _write_kubeconfig(self, pki: Pki, identity: ClientIdentity) -> Path:
+        import base64
+
+        def data(path: Path) -> str:
+            return base64.b64encode(path.read_bytes()).decode()
+
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "davit-local",
+                    "cluster": {
+                        "server": self.server,
+                        "certificate-authority-data": data(pki.ca_cert),
+                    },
+                }
+            ],
+            "users": [
+                {
+                    "name": identity.user,
+                    "user": {
+                        "client-certificate-data": data(pki.client_cert(identity.file_stem)),
+                        "client-key-data": data(pki.client_key(identity.file_stem)),
+                    },
+                }
+            ],
+            "contexts": [
+                {
+                    "name": "davit-local",
+                    "context": {"cluster": "davit-local", "user": identity.user},
+                }
+            ],
+            "current-context": "davit-local",
+        }
+        name = "kubeconfig" if identity is ADMIN else f"{identity.file_stem}.kubeconfig"
+        path = self.state_dir / name
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.chmod(0o600)
+        return path
+
+    def _register_nodes(self, deadline: float) -> None:
+        # Pods are refused until the namespace's "default" ServiceAccount exists; waiting for it
+        # proves the controller manager is working, not only serving /healthz.
+        probe = ("get", "serviceaccount", "default", "--namespace=default")
+        while self.kubectl(*probe, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    "kube-controller-manager did not create the default ServiceAccount; see "
+                    f"{self.log_dir / 'kube-controller-manager.log'}"
+                )
+            time.sleep(0.2)
+        if not self.nodes:
+            return
+        manifest = {"apiVersion": "v1", "kind": "List", "items": [n.manifest() for n in self.nodes]}
+        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        remaining = max(1, int(deadline - time.monotonic()))
+        result = self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            "node",
+            *(n.name for n in self.nodes),
+            f"--timeout={remaining}s",
+            check=False,
+            timeout=remaining + 10,
+        )
+        if result.returncode != 0:
+            raise ClusterError(
+                f"fake nodes did not become Ready: {result.stderr.strip()}; see "
+                f"{self.log_dir / 'kwok.log'}"
+            )
+
+    def _write_state(self) -> None:
+        state = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "bin_dir": str(self.bin_dir),
+            "startup_seconds": self.startup_seconds,
+            "processes": [vars(r) for r in self._records],
+        }
+        (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    def _stop_processes(self) -> None:
+        errors = []
+        for record in reversed(self._records):
+            try:
+                terminate(record)
+            except ClusterError as err:
+                errors.append(str(err))
+        for child in self._children:
+            child.poll()  # reap, so no zombie stays behind
+        self._records.clear()
+        self._children.clear()
+        if errors:
+            raise ClusterError("; ".join(errors))
