@@ -112,9 +112,10 @@ class Scheduler:
                 f"the maximum context length of {self.max_model_len} tokens"
                 + self._capacity_note(),
             )
-        num_queued = self.num_queued
-        if self.max_queue_len is not None and num_queued >= self.max_queue_len:
-            raise QueueFullError(num_queued, self.max_queue_len, self.queue_retry_after)
+        if self.max_queue_len is not None:
+            free_slots = max(0, self.max_num_seqs - len(self._running))
+            if len(self._waiting) >= free_slots + self.max_queue_len:
+                raise QueueFullError(self.num_queued, self.max_queue_len, self.queue_retry_after)
         req = Request.from_engine_request(engine_request)
         self._requests[request_id] = req
         self._waiting.append(req)
