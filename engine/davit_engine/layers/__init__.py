@@ -1,0 +1,1 @@
+"""Building blocks shared by the model compositions: norms, rotary embeddings, attention."""

@@ -1,0 +1,172 @@
+"""Paged attention: the per-step metadata, the backend protocol, and the plain-torch reference.
+
+The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(keys at index 0, values at index 1) in the model dtype. A request's tokens live in the blocks
+listed by its row of `block_tables`; token `p` of a request is in block `block_tables[b, p //
+block_size]` at offset `p % block_size`. The backend travels inside the metadata, so there is no
+module-global forward context and several backends can coexist (the reference is used to check
+the Triton kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    """How a layer stores new keys/values and attends over the paged cache.
+
+    Contract of `forward`: each new token of request `b` at absolute position `p` attends to the
+    cached tokens of `b` at positions `<= p` (the request's own new tokens included, causally).
+    `write_kv` has already run for this step's tokens when `forward` is called.
+    """
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of every attention layer. Tensors live on the model's device.
+
+    - `slot_mapping [T] int64`: `block_id * block_size + offset` of each new token.
+    - `query_start_loc [B+1] int32`: new tokens of request b are `T[qsl[b]:qsl[b+1]]`.
+    - `seq_lens [B] int32`: tokens in the cache after this step, the new ones included.
+    - `block_tables [B, max_blocks] int32`: each request's blocks, padded with any valid id.
+    - `max_query_len`, `max_seq_len`: host-side maxima, so no backend needs a device sync.
+    - `scratch`: per-step state a backend computes once and reuses across layers.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    backend: AttentionBackend
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass
+class _Group:
+    """Requests padded together: `token_index [B, Lq]` selects their queries from `q`."""
+
+    token_index: torch.Tensor  # [B, Lq] int64 into the step's T tokens (padding -> any token)
+    valid: torch.Tensor  # [B, Lq] bool, False for padding queries
+    slot_index: torch.Tensor  # [B, Lk] int64 into the flattened cache (block * bs + offset)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True where the query may attend
+
+
+class TorchPagedAttention:
+    """Reference backend in plain torch, for CPU serving and for testing the Triton kernels.
+
+    Requests are split into decode rows (one new token) and prefill rows (several), each group
+    padded only to its own longest query, so a long prefill chunk does not pad every decode row.
+    The gather indices and masks are built once per step (in `meta.scratch`), not per layer.
+    """
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        groups: list[_Group] = meta.scratch.get("torch_paged_groups") or []
+        if not groups:
+            groups = _plan_groups(meta, int(kv_cache.shape[2]))
+            meta.scratch["torch_paged_groups"] = groups
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        for group in groups:
+            # qg: [B, Hq, Lq, D]; kg, vg: [B, Hkv, Lk, D]
+            qg = q[group.token_index].transpose(1, 2)
+            kg = flat[0][group.slot_index].transpose(1, 2)
+            vg = flat[1][group.slot_index].transpose(1, 2)
+            og = F.scaled_dot_product_attention(
+                qg,
+                kg.to(q.dtype),
+                vg.to(q.dtype),
+                attn_mask=group.mask,
+                scale=scale,
+                enable_gqa=qg.shape[1] != kg.shape[1],
+            )
+            og = og.transpose(1, 2)  # [B, Lq, Hq, D]
+            out[group.token_index[group.valid]] = og[group.valid]
+        return out
+
+
+def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
+    device = meta.seq_lens.device
+    qsl = meta.query_start_loc.to("cpu", torch.int64)
+    seq_lens = meta.seq_lens.to("cpu", torch.int64)
+    query_lens = qsl[1:] - qsl[:-1]
+    groups = []
+    for rows in (
+        torch.nonzero(query_lens == 1).flatten(),
+        torch.nonzero(query_lens > 1).flatten(),
+    ):
+        if rows.numel() == 0:
+            continue
+        q_lens = query_lens[rows]  # [B]
+        s_lens = seq_lens[rows]
+        max_q = int(q_lens.max())
+        max_s = int(s_lens.max())
+        max_blocks = (max_s + block_size - 1) // block_size
+        steps = torch.arange(max_q)
+        valid = steps[None, :] < q_lens[:, None]  # [B, Lq]
+        token_index = torch.where(valid, qsl[rows][:, None] + steps[None, :], 0)
+        # Absolute position of each query; padding queries get the last real position so their
+        # rows keep at least one visible key (no NaN from an all-masked softmax).
+        q_pos = (s_lens - q_lens)[:, None] + torch.minimum(steps[None, :], (q_lens - 1)[:, None])
+        tables = meta.block_tables[rows.to(device), :max_blocks].to("cpu", torch.int64)
+        offsets = torch.arange(block_size)
+        slot_index = (tables[:, :, None] * block_size + offsets).reshape(len(rows), -1)
+        key_pos = torch.arange(max_blocks * block_size)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+            key_pos[None, None, :] < s_lens[:, None, None]
+        )
+        groups.append(
+            _Group(
+                token_index=token_index.to(device),
+                valid=valid.to(device),
+                slot_index=slot_index.to(device),
+                mask=mask.unsqueeze(1).to(device),
+            )
+        )
+    return groups

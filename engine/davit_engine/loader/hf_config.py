@@ -1,0 +1,105 @@
+"""Hugging Face `config.json` <-> `ModelConfig` for the Llama, Qwen2 and Qwen3 model types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from davit_engine.models.config import ARCHITECTURES, ModelConfig
+from davit_engine.types import ParamError
+
+# Which model_type values map to which composition, and what each implies beyond config.json.
+MODEL_TYPES: dict[str, dict[str, Any]] = {
+    "llama": {"architecture": "llama", "attention_bias": None, "qk_norm": False},
+    "qwen2": {"architecture": "qwen2", "attention_bias": True, "qk_norm": False},
+    "qwen3": {"architecture": "qwen3", "attention_bias": None, "qk_norm": True},
+}
+
+
+def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
+    """Parse a config.json dict; `source` (the file path) is named in every error."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ParamError(
+            "model",
+            f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}",
+        )
+    implied = MODEL_TYPES[model_type]
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise ParamError("model", f"{source}: required field {key!r} is missing")
+        return raw[key]
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files keep both.
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = raw.get("rope_scaling") or (
+        {k: v for k, v in rope_params.items() if k != "rope_theta"} or None
+    )
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        rope_scaling = None
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    attention_bias = implied["attention_bias"]
+    config = ModelConfig(
+        architecture=implied["architecture"],
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) else 0),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=(
+            bool(raw.get("attention_bias", False)) if attention_bias is None else attention_bias
+        ),
+        qk_norm=implied["qk_norm"],
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+    config.validate(source)
+    return config
+
+
+def model_config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json transformers needs to build the same model (used for random weights)."""
+    assert config.architecture in ARCHITECTURES
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    raw: dict[str, Any] = {
+        "architectures": [names[config.architecture]],
+        "model_type": config.architecture,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": config.torch_dtype or "float32",
+    }
+    if config.rope_scaling:
+        raw["rope_scaling"] = dict(config.rope_scaling)
+    if config.architecture != "qwen2":
+        raw["attention_bias"] = config.attention_bias
+    if config.bos_token_id is not None:
+        raw["bos_token_id"] = config.bos_token_id
+    if config.eos_token_ids:
+        raw["eos_token_id"] = (
+            config.eos_token_ids[0]
+            if len(config.eos_token_ids) == 1
+            else list(config.eos_token_ids)
+        )
+    return raw

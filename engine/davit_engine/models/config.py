@@ -1,0 +1,91 @@
+"""`ModelConfig`: the architecture facts a model composition needs, whatever the checkpoint format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from davit_engine.types import ParamError
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer of the Llama family.
+
+    `attention_bias` is Qwen2's bias on the q/k/v projections; `qk_norm` is Qwen3's RMSNorm on
+    each query and key head before the rotary embedding.
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str | None = None  # the checkpoint's dtype name, used by dtype="auto"
+
+    def validate(self, source: str) -> None:
+        """Raise ParamError naming `source` and the field when the shape cannot work."""
+        if self.architecture not in ARCHITECTURES:
+            raise ParamError(
+                "model",
+                f"{source}: unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}",
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParamError(
+                    "model", f"{source}: {name} must be a positive integer, got {value!r}"
+                )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ParamError(
+                "model",
+                f"{source}: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})",
+            )
+        if self.head_dim % 2 != 0:
+            raise ParamError("model", f"{source}: head_dim must be even, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * layer + h + lm_head

@@ -1,0 +1,225 @@
+"""The Llama family as one composition: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm).
+
+Single-device and unquantized on purpose: projections are fused (q/k/v into `qkv_proj`, gate/up
+into `gate_up_proj`) so a layer runs three large matmuls; checkpoints keep the split names, and
+`STACKED_PARAMS` declares how they map onto the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from davit_engine.layers.attention import AttentionMetadata
+from davit_engine.layers.norm import RMSNorm
+from davit_engine.layers.rotary import RotaryEmbedding
+from davit_engine.models.config import ModelConfig
+from davit_engine.types import ParamError
+
+# (fused parameter, checkpoint projection name, shard index within the fused output rows)
+STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint tensors that carry no weights we use (precomputed rotary tables).
+IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, sum(self.split_sizes), bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        meta.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = meta.backend.forward(q, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden
+        hidden = residual + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One rotary module (and one cos/sin table) shared by every layer.
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over a paged KV cache.
+
+    `forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]` after the
+    final norm; `compute_logits(hidden [N, hidden]) -> [N, vocab] float32`. `kv_caches[i]` is
+    layer i's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` in the model dtype.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"expected {len(self.model.layers)} KV caches (one per layer), got {len(kv_caches)}"
+            )
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits: [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def expected_weight_names(self) -> set[str]:
+        """Checkpoint (Hugging Face) names this model needs, fused parameters split back."""
+        names = set()
+        for name in self.state_dict():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            names.update(_checkpoint_names(name))
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+
+        Raises ParamError naming `source` and the tensor on a shape mismatch, an unknown
+        tensor, or tensors the checkpoint lacks.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = self.expected_weight_names()
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints also store the head; the embedding wins
+            target, rows = self._target(name)
+            if target not in params:
+                raise ParamError("model", f"{source}: unexpected tensor {name!r} for this model")
+            param = params[target]
+            dest = param.data if rows is None else param.data[rows[0] : rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ParamError(
+                    "model",
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model config expects {tuple(dest.shape)}",
+                )
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = expected - seen
+        if missing:
+            listed = ", ".join(sorted(missing)[:5])
+            raise ParamError(
+                "model", f"{source}: {len(missing)} tensors are missing, e.g. {listed}"
+            )
+
+    def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """Map a checkpoint name to (parameter name, row range inside a fused parameter)."""
+        for fused, part, shard in STACKED_PARAMS:
+            marker = f".{part}."
+            if marker in name:
+                bounds = self._shard_bounds(fused)
+                return name.replace(marker, f".{fused}."), (bounds[shard], bounds[shard + 1])
+        return name, None
+
+    def _shard_bounds(self, fused: str) -> list[int]:
+        c = self.config
+        if fused == "qkv_proj":
+            return [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
+        return [0, c.intermediate_size, 2 * c.intermediate_size]
+
+
+def _checkpoint_names(param_name: str) -> list[str]:
+    for fused in ("qkv_proj", "gate_up_proj"):
+        marker = f".{fused}."
+        if marker in param_name:
+            return [
+                param_name.replace(marker, f".{part}.")
+                for f, part, _ in STACKED_PARAMS
+                if f == fused
+            ]
+    return [param_name]
