@@ -316,6 +316,23 @@ class Scheduler:
         """The live request with this id; None once it finished or was aborted."""
         return self._requests.get(request_id)
 
+    def check_invariants(self) -> None:
+        """Verify queue, state and block bookkeeping against each other (for tests; O(n))."""
+        live = [*self._running, *self._waiting]
+        if len({id(r) for r in live}) != len(live) or len(live) != len(self._requests):
+            raise AssertionError("a request is queued twice, or a live request is in no queue")
+        if len(self._running) > self.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")
+        for req in self._running:
+            if req.status is not RequestStatus.RUNNING or self._requests[req.request_id] is not req:
+                raise AssertionError(f"{req.request_id} is in the running list but not running")
+            if len(req.block_ids) * self.block_size < req.num_computed_tokens:
+                raise AssertionError(f"{req.request_id} has computed tokens outside its blocks")
+        for req in self._waiting:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or req.block_ids:
+                raise AssertionError(f"{req.request_id} waits but holds blocks or is running")
+        self.block_manager.check_invariants(live)
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
