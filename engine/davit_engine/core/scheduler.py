@@ -156,6 +156,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self._running
+        block_size = self.block_size
 
         i = 0
         while i < len(running) and budget > 0:
@@ -166,15 +167,17 @@ class Scheduler:
                 i += 1
                 continue
             num_needed = req.num_computed_tokens + num_new
-            while not bm.can_append_slots(req, num_needed):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req preempted itself: everything after it is gone too
-            bm.append_slots(req, num_needed)
+            # Most decode steps stay inside the last block: skip the block manager then.
+            if num_needed > len(req.block_ids) * block_size:
+                while not bm.can_append_slots(req, num_needed):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    break  # req preempted itself: everything after it is gone too
+                bm.append_slots(req, num_needed)
             scheduled.append(self._make_scheduled(req, num_new, is_new=False))
             budget -= num_new
             i += 1
@@ -252,19 +255,24 @@ class Scheduler:
         bm = self.block_manager
         requests = self._requests
         max_model_len = self.max_model_len
+        block_size = self.block_size
+        caching = bm.enable_prefix_caching
         deltas: list[RequestDelta] = []
+        num_generated = 0
         any_finished = False
         for i, sreq in enumerate(scheduled):
             req = requests.get(sreq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            bm.cache_full_blocks(req, sreq.num_computed_tokens + sreq.num_new_tokens)
+            num_computed = sreq.num_computed_tokens + sreq.num_new_tokens
+            if caching and num_computed // block_size > req.num_registered_blocks:
+                bm.cache_full_blocks(req, num_computed)
             token_id = sampled[i]
             if token_id is None:
                 continue
             reason = req.append_output_token(token_id, max_model_len)
-            self._generation_tokens_total += 1
-            if req.num_output_tokens == 1:
+            num_generated += 1
+            if len(req.token_ids) - req.num_prompt_tokens == 1:
                 self._prompt_tokens_total += req.num_prompt_tokens
             logprob = logprobs[i] if logprobs is not None else None
             deltas.append(
@@ -282,6 +290,7 @@ class Scheduler:
                 del requests[req.request_id]
                 self._finish(req, reason)
                 any_finished = True
+        self._generation_tokens_total += num_generated
         if any_finished:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
         return deltas
