@@ -1,0 +1,279 @@
+"""`helm lint` and `helm template` of charts/davit: what the chart renders in each mode."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from .tools import CHART, KUBE_VERSION, REPO, Helm, Permission, find, only, permissions
+
+WORKLOAD = {"create", "get", "list", "watch", "update", "patch", "delete"}
+READ = {"get", "list", "watch"}
+
+
+def triples(group: str, resource: str, verbs: set[str]) -> set[Permission]:
+    return {(group, resource, verb) for verb in verbs}
+
+
+# Exactly what the operator does where InferenceServices live, and nothing more.
+NAMESPACED: set[Permission] = (
+    triples("serving.davit.dev", "inferenceservices", READ | {"patch"})
+    | triples("serving.davit.dev", "inferenceservices/status", {"get", "patch"})
+    | triples("apps", "deployments", WORKLOAD)
+    | triples("", "services", WORKLOAD)
+    | triples("policy", "poddisruptionbudgets", WORKLOAD)
+    | triples("batch", "jobs", WORKLOAD)
+    | triples("", "pods", READ)
+    | triples("", "events", {"create", "patch"})
+)
+CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(
+    "apiextensions.k8s.io", "customresourcedefinitions", READ
+)
+LEADER_ELECTION: set[Permission] = triples(
+    "coordination.k8s.io", "leases", {"get", "create", "update", "patch"}
+)
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = only(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize(
+    "mode", [[], ["watchNamespace=team-a"], ["replicaCount=1", "leaderElection.enabled=false"]]
+)
+def test_helm_lint_strict(helm: Helm, mode: list[str]) -> None:
+    result = helm.run(
+        "lint",
+        str(CHART),
+        "--strict",
+        f"--kube-version={KUBE_VERSION}",
+        *(f"--set={s}" for s in mode),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_chart_versions_match_the_project() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == project["version"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # An empty tag means "the appVersion", so the default install runs the matching operator.
+    assert values["image"]["tag"] == ""
+
+
+def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
+    objects = helm.template()
+    # The only Role in cluster-wide mode is the leader election one.
+    assert [r["metadata"]["name"] for r in find(objects, "Role")] == ["davit-leader-election"]
+    cluster_role = only(objects, "ClusterRole", "davit")
+    assert permissions(cluster_role["rules"]) == NAMESPACED | CLUSTER_READS
+    binding = only(objects, "ClusterRoleBinding", "davit")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "davit",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "davit", "namespace": "davit-system"}
+    ]
+    args = operator_container(objects)["args"]
+    assert "--all-namespaces" in args
+    assert not any(a.startswith("--namespace") for a in args)
+
+
+def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -> None:
+    objects = helm.template("watchNamespace=team-a")
+    cluster_role = only(objects, "ClusterRole", "davit")
+    # Only cluster-scoped reads stay cluster-wide: nodes and CRDs cannot be granted by a Role.
+    assert permissions(cluster_role["rules"]) == CLUSTER_READS
+    roles = {o["metadata"]["namespace"]: o for o in find(objects, "Role")}
+    assert permissions(roles["team-a"]["rules"]) == NAMESPACED
+    (binding,) = [b for b in find(objects, "RoleBinding") if b["metadata"]["namespace"] == "team-a"]
+    assert binding["roleRef"]["kind"] == "Role"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "davit", "namespace": "davit-system"}
+    ]
+    args = operator_container(objects)["args"]
+    assert "--namespace=team-a" in args
+    assert "--all-namespaces" not in args
+
+
+@pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"]])
+def test_leader_election_rights_stay_in_the_release_namespace(helm: Helm, mode: list[str]) -> None:
+    objects = helm.template(*mode)
+    (role,) = [r for r in find(objects, "Role") if r["metadata"]["name"] == "davit-leader-election"]
+    assert role["metadata"]["namespace"] == "davit-system"
+    assert permissions(role["rules"]) == LEADER_ELECTION
+    (binding,) = [
+        b for b in find(objects, "RoleBinding") if b["metadata"]["name"] == "davit-leader-election"
+    ]
+    assert binding["metadata"]["namespace"] == "davit-system"
+    assert binding["roleRef"]["name"] == "davit-leader-election"
+
+
+def test_no_leader_election_rights_without_leader_election(helm: Helm) -> None:
+    objects = helm.template("replicaCount=1", "leaderElection.enabled=false")
+    rules = [
+        rule for o in find(objects, "Role") + find(objects, "ClusterRole") for rule in o["rules"]
+    ]
+    assert not {p for p in permissions(rules) if p[1] == "leases"}
+    assert only(objects, "Deployment")["spec"]["replicas"] == 1
+    # One replica: a disruption budget would block node drains forever.
+    assert find(objects, "PodDisruptionBudget") == []
+
+
+@pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"]])
+def test_no_wildcards_in_any_rule(helm: Helm, mode: list[str]) -> None:
+    objects = helm.template(*mode)
+    rbac = find(objects, "Role") + find(objects, "ClusterRole")
+    assert rbac, "the chart rendered no RBAC"
+    for obj in rbac:
+        for rule in obj["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule.get(key, []), (obj["metadata"]["name"], rule)
+            assert "nonResourceURLs" not in rule
+            # Neither secrets nor RBAC objects: the operator never needs them.
+            assert not {"secrets", "roles", "clusterroles", "rolebindings"} & set(rule["resources"])
+
+
+def test_no_rbac_when_disabled(helm: Helm) -> None:
+    objects = helm.template("rbac.create=false")
+    for kind in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"):
+        assert find(objects, kind) == []
+
+
+def test_operator_runs_non_root_with_a_read_only_root(helm: Helm) -> None:
+    objects = helm.template()
+    pod = only(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(objects)
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert "privileged" not in security or security["privileged"] is False
+    # The read-only root needs a writable scratch folder for Python.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["memory"]
+    assert container["resources"]["limits"]["memory"]
+
+
+def test_probes_hit_the_liveness_endpoint_port(helm: Helm) -> None:
+    container = operator_container(helm.template("health.port=9440"))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["health"] == 9440
+    for probe in ("livenessProbe", "readinessProbe"):
+        http = container[probe]["httpGet"]
+        assert http["port"] in ("health", 9440)
+        assert http["path"] == "/healthz"
+    assert "--health-port=9440" in container["args"]
+
+
+def test_replicas_and_leader_election(helm: Helm) -> None:
+    objects = helm.template()
+    deployment = only(objects, "Deployment")
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    args = operator_container(objects)["args"]
+    assert "--leader-election" in args
+    assert "--leader-election-namespace=davit-system" in args
+    pdb = only(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_image_defaults_to_app_version_and_pins_a_digest(helm: Helm) -> None:
+    assert operator_container(helm.template())["image"] == "davit/operator:0.1.0"
+    digest = "sha256:" + "ab" * 32
+    image = operator_container(
+        helm.template("image.repository=registry.test/davit/operator", f"image.digest={digest}")
+    )["image"]
+    assert image == f"registry.test/davit/operator:0.1.0@{digest}"
+
+
+def test_metrics_service_selects_the_operator_pods(helm: Helm) -> None:
+    objects = helm.template("metrics.port=9090", "metrics.service.port=8443")
+    service = only(objects, "Service", "davit-metrics")
+    deployment = only(objects, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port == {"name": "metrics", "port": 8443, "targetPort": "metrics", "protocol": "TCP"}
+    container = operator_container(objects)
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    assert "--metrics-port=9090" in container["args"]
+    assert find(objects, "ServiceMonitor") == []
+
+
+def test_service_monitor_scrapes_the_metrics_service(helm: Helm) -> None:
+    objects = helm.template(
+        "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"
+    )
+    monitor = only(objects, "ServiceMonitor")
+    service = only(objects, "Service", "davit-metrics")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["davit-system"]}
+
+
+def test_service_monitor_without_the_service_fails_clearly(helm: Helm) -> None:
+    result = helm.run(
+        *helm.template_args("metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false")
+    )
+    assert result.returncode != 0
+    assert "metrics.service.enabled" in result.stderr
+
+
+def test_every_namespaced_object_lands_in_its_namespace(helm: Helm) -> None:
+    objects = helm.template("watchNamespace=team-a", namespace="ops")
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    for obj in objects:
+        if obj["kind"] in cluster_scoped:
+            assert "namespace" not in obj["metadata"]
+        elif obj["kind"] in ("Role", "RoleBinding"):
+            assert obj["metadata"]["namespace"] in ("ops", "team-a")
+        else:
+            assert obj["metadata"]["namespace"] == "ops", obj["kind"]
+
+
+def test_extra_args_and_env_reach_the_container(helm: Helm, tmp_path: Path) -> None:
+    container = operator_container(
+        helm.template(
+            values={
+                "extraArgs": ["--some-flag=1"],
+                "extraEnv": [{"name": "DAVIT_CATALOG", "value": "/etc/davit/catalog"}],
+            },
+            values_dir=tmp_path,
+        )
+    )
+    assert container["args"][-1] == "--some-flag=1"
+    assert {"name": "DAVIT_CATALOG", "value": "/etc/davit/catalog"} in container["env"]
+
+
+def test_include_crds_renders_the_inference_service_crd(helm: Helm) -> None:
+    crds = find(helm.template(include_crds=True), "CustomResourceDefinition")
+    assert [c["metadata"]["name"] for c in crds] == ["inferenceservices.serving.davit.dev"]
+
+
+def test_values_schema_is_valid_json_with_strict_top_level() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # Every default value is declared in the schema, and vice versa (minus helm's "global").
+    assert set(values) == set(schema["properties"]) - {"global"}
