@@ -148,12 +148,13 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------------
 
-    def can_allocate(self, cached_block_ids: list[int], num_tokens: int) -> bool:
-        """Whether a request with no blocks can take `cached_block_ids` and grow to `num_tokens`."""
+    def can_allocate(self, cached_block_ids: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        """Whether a request with no blocks can take `cached_block_ids` and grow to `num_tokens`,
+        leaving at least `reserve` blocks free afterwards."""
         num_new = self.num_blocks_for(num_tokens) - len(cached_block_ids)
         # Reviving an evictable hit takes it out of the allocatable pool.
         num_revived = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
-        return num_new <= self.num_free_blocks - num_revived
+        return num_new + reserve <= self.num_free_blocks - num_revived
 
     def allocate(self, req: Request, cached_block_ids: list[int], num_tokens: int) -> None:
         """Give `req` (which holds no blocks) the prefix hits plus fresh blocks for `num_tokens`.

@@ -78,6 +78,7 @@ class Scheduler:
         self.max_queue_len = config.max_queue_len
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.queue_retry_after = queue_retry_after
+        self._admission_reserve = -(-num_blocks // 100)  # 1% of the pool, at least one block
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -203,7 +204,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break  # FCFS: later requests wait behind it rather than overtake it
                 num_new = budget
-            if not bm.can_allocate(cached_block_ids, num_cached + num_new):
+            # While others run, keep a few blocks back for their decode growth: admitting a
+            # request only to preempt it (and recompute it) a step later wastes a prefill.
+            reserve = self._admission_reserve if running else 0
+            if not bm.can_allocate(cached_block_ids, num_cached + num_new, reserve):
                 break
             bm.allocate(req, cached_block_ids, num_cached + num_new)
             waiting.popleft()
@@ -269,7 +273,12 @@ class Scheduler:
                 bm.cache_full_blocks(req, num_computed)
             token_id = sampled[i]
             if token_id is None:
+                if sreq.needs_sample:
+                    # Skipping it would leave the request with nothing to compute, forever.
+                    raise ValueError(f"runner sampled no token for {sreq.request_id}")
                 continue
+            if not sreq.needs_sample:
+                raise ValueError(f"runner sampled a token for {sreq.request_id} mid-prefill")
             reason = req.append_output_token(token_id, max_model_len)
             num_generated += 1
             if len(req.token_ids) - req.num_prompt_tokens == 1:

@@ -415,3 +415,28 @@ def test_stats_counters() -> None:
     # Same prompt: b and c were admitted in the same step as a, before a's blocks were cached.
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (27, 0)
     assert stats.kv_cache_usage == 0.0 and stats.num_free_blocks == 20
+
+
+def test_admission_keeps_a_reserve_only_while_others_run() -> None:
+    scheduler, runner = make(num_blocks=10)  # reserve: 1 block
+    scheduler.add_request(ereq("a", 7, max_tokens=1))  # 2 blocks, then finishes
+    scheduler.add_request(ereq("b", 32, max_tokens=1))  # 8 blocks: all that a leaves free
+    assert step(scheduler, runner) == [("a", 7, True)]
+    # b would take every free block beside a: it waits for a rather than be preempted later.
+    assert scheduler.num_waiting == 1
+    assert step(scheduler, runner) == [("b", 32, True)]
+    assert len(runner.steps[-1].scheduled[0].block_ids) == 8
+
+
+def test_runner_output_must_match_needs_sample() -> None:
+    scheduler, _ = make(max_num_batched_tokens=8)
+    scheduler.add_request(ereq("a", 12))
+    out = scheduler.schedule()
+    assert not out.scheduled[0].needs_sample
+    with pytest.raises(ValueError, match="mid-prefill"):
+        scheduler.update_from_output(out, RunnerOutput([5]))
+    scheduler2, _ = make()
+    scheduler2.add_request(ereq("b", 3))
+    out = scheduler2.schedule()
+    with pytest.raises(ValueError, match="no token"):
+        scheduler2.update_from_output(out, RunnerOutput([None]))
