@@ -43,6 +43,8 @@ class Scheduler:
     request is preempted: its blocks are freed and it goes back to the front of the queue to be
     recomputed (prompt and outputs so far) later. An accepted request is never dropped: it ends
     only by finishing or by `abort()`.
+
+    Not thread-safe: the engine loop calls every method from one thread, between steps.
     """
 
     def __init__(
