@@ -1,0 +1,61 @@
+"""`TritonPagedAttention`: the attention backend that runs the Triton kernels of this package."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from davit_engine.kernels.kv_cache import write_kv
+from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+
+if TYPE_CHECKING:
+    from davit_engine.layers.attention import AttentionMetadata
+
+NUM_KV_SPLITS_KEY = "num_kv_splits"
+
+
+class TritonPagedAttention:
+    """Implements `layers.attention.AttentionBackend` with the Triton kernels.
+
+    Decode steps split the key range when the batch is too small to fill the GPU. The split
+    count comes from `meta.scratch["num_kv_splits"]` when the runner fixes it (a CUDA graph must
+    see the same launch shape on every replay); otherwise from the batch size and the host-side
+    `max_seq_len`.
+    """
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        write_kv(k, v, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        num_splits = 1
+        if meta.max_query_len == 1:
+            fixed = meta.scratch.get(NUM_KV_SPLITS_KEY)
+            if isinstance(fixed, int):
+                num_splits = fixed
+            else:
+                num_splits = default_num_splits(
+                    int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len
+                )
+        return paged_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            num_splits,
+        )

@@ -1,0 +1,317 @@
+"""Paged attention over the block-table KV cache: one Triton kernel for prefill, mixed and decode.
+
+Each program owns one request, one tile of its new tokens and one KV head. The rows of its query
+tile are (token, query head of that KV head's group) pairs, so grouped-query heads share every
+key/value load and a decode step still fills a 16-row matrix tile. Keys are gathered page by page
+through the block table, causally (a new token at absolute position p sees keys at positions
+<= p, the cached prefix included). For long contexts with few programs (decode at small batch)
+the key range is split over `num_splits` programs whose partial results a second kernel merges
+by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    num_q_tiles,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    req = pid // num_q_tiles
+    q_tile = pid % num_q_tiles
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx_len = seq_len - q_len  # keys cached before this step
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + rows // GROUP_PAD  # token index within the request
+        head_in_group = rows % GROUP_PAD
+        row_valid = (tok < q_len) & (head_in_group < GROUP)
+        q_head = kv_head * GROUP + head_in_group
+        dims = tl.arange(0, BLOCK_D)
+        dim_valid = dims < HEAD_DIM
+
+        q_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh
+        # q: [BLOCK_M, BLOCK_D]
+        q = tl.load(
+            q_ptr + q_offs + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        q_pos = ctx_len + tok
+
+        last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+        kv_end = tl.minimum(seq_len, ctx_len + last_tok)
+        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+        for tile in range(tile_begin, tile_end):
+            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_valid = keys < kv_end
+            block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
+            key_valid = key_valid & (block >= 0)
+            kv_offs = (
+                block.to(tl.int64) * stride_cache_block
+                + (keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
+                + kv_head * HEAD_DIM
+            )
+            # k: [BLOCK_D, BLOCK_N] (transposed), v: [BLOCK_N, BLOCK_D]
+            k = tl.load(
+                k_cache_ptr + kv_offs[None, :] + dims[:, None],
+                mask=key_valid[None, :] & dim_valid[:, None],
+                other=0.0,
+            )
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                mask=key_valid[:, None] & dim_valid[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        result = acc / l_safe[:, None]
+        store_mask = row_valid[:, None] & dim_valid[None, :]
+        if NUM_SPLITS == 1:
+            o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
+            tl.store(
+                out_ptr + o_offs + dims[None, :],
+                result.to(out_ptr.dtype.element_ty),
+                mask=store_mask,
+            )
+        else:
+            part_row = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
+            tl.store(
+                part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
+                result,
+                mask=store_mask,
+            )
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + splits, mask=split_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    dims = tl.arange(0, BLOCK_D)
+    parts = tl.load(
+        part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
+        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def default_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Key-range splits for a decode step: enough programs to cover the GPU twice, never a
+    split shorter than 256 keys (then the merge would cost more than it saves)."""
+    programs = max(num_requests * num_kv_heads, 1)
+    wanted = max(1, math.ceil(264 / programs))
+    return max(1, min(16, wanted, math.ceil(max_seq_len / 256)))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], contiguous
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    max_query_len: int,
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each request's new tokens over its paged keys and values.
+
+    `num_splits > 1` splits every request's key range (use it for decode at small batch); the
+    launch shape depends only on the batch size, `max_query_len` and `num_splits`, so the call is
+    safe to capture in a CUDA graph.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    num_requests = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    is_decode = max_query_len == 1
+    block_m = max(16 if is_decode else 64, group_pad)
+    block_q = block_m // group_pad
+    block_n = 64 if is_decode else 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    grid = (num_requests * num_q_tiles, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(1),
+        num_q_tiles,
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch twin of `paged_attention`, one request at a time, in float64."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for req, seq_len in enumerate(seq_lens.tolist()):
+        q_begin, q_end = qsl[req], qsl[req + 1]
+        q_len = q_end - q_begin
+        if q_len == 0 or seq_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[req, positions // page].long()
+        keys = kv_cache[0, blocks, positions % page].double()  # [S, Hkv, D]
+        values = kv_cache[1, blocks, positions % page].double()
+        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[q_begin:q_end].double()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", queries, keys) * scale
+        q_pos = (seq_len - q_len) + torch.arange(q_len, device=q.device)
+        mask = positions[None, :] <= q_pos[:, None]  # [L, S]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_begin:q_end] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
+    return out

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from davit_engine.kernels.paged_attention import (
+    default_num_splits,
+    paged_attention,
+    paged_attention_reference,
+)
+
+
+def _batch(
+    device: torch.device,
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: tuple[int, int],
+    dim: int,
+    page: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    num_q_heads, num_kv_heads = heads
+    max_blocks = max(-(-s // page) for s in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 3
+    cache = torch.randn(2, num_blocks, page, num_kv_heads, dim, device=device).to(dtype)
+    perm = torch.randperm(num_blocks, device=device)[: len(seq_lens) * max_blocks]
+    block_tables = perm.view(len(seq_lens), max_blocks).int()
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)
+    qsl[1:] = torch.tensor(q_lens, device=device).cumsum(0)
+    # q as a strided view of a fused qkv projection
+    qkv = torch.randn(sum(q_lens), num_q_heads + 2 * num_kv_heads, dim, device=device).to(dtype)
+    q = qkv[:, :num_q_heads]
+    return q, cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+CASES = [
+    # (q_lens, seq_lens): decode rows, prefill from scratch, prefill over a cached prefix, mixed
+    ([1, 1, 1], [1, 9, 40]),
+    ([5, 17], [5, 17]),
+    ([6, 3], [30, 11]),
+    ([1, 7, 1, 12], [33, 7, 2, 50]),
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (2, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_matches_reference(
+    device: torch.device,
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: tuple[int, int],
+    num_splits: int,
+) -> None:
+    torch.manual_seed(sum(seq_lens) + num_splits)
+    q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, heads, 16, 4, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, out=out)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < 1e-5
+
+
+def test_paged_attention_fp16(device: torch.device) -> None:
+    torch.manual_seed(3)
+    q, cache, tables, lens, qsl = _batch(device, [1, 9], [20, 9], (4, 2), 32, 8, torch.float16)
+    out = paged_attention(q, cache, tables, lens, qsl, 9, 0.2)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.2)
+    assert _rel_err(out, ref) < 3e-3
+
+
+def test_padding_rows_without_blocks_give_zeros(device: torch.device) -> None:
+    torch.manual_seed(4)
+    q, cache, tables, lens, qsl = _batch(device, [1, 1], [5, 1], (2, 1), 16, 4, torch.float32)
+    tables[1] = -1  # a CUDA-graph padding row: no block at all
+    out = paged_attention(q, cache, tables, lens, qsl, 1, 0.3, num_splits=2)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = paged_attention_reference(q[:1], cache, tables[:1], lens[:1], qsl[:2], 0.3)
+    assert _rel_err(out[:1], ref) < 1e-5
+
+
+def test_default_num_splits() -> None:
+    assert default_num_splits(1, 8, 1280) == 5  # long enough for 5 splits of >= 256 keys
+    assert default_num_splits(1, 8, 100_000) == 16
+    assert default_num_splits(256, 8, 4096) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_paged_attention_bf16_real_shapes(device: torch.device, num_splits: int) -> None:
+    torch.manual_seed(5)
+    q_lens = [1] * 6 + [300, 1000]
+    seq_lens = [100, 1500, 3000, 17, 1, 800, 700, 1000]
+    q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (32, 8), 128, 16, torch.bfloat16)
+    out = paged_attention(q, cache, tables, lens, qsl, max(q_lens), 128**-0.5, num_splits)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5)
+    assert _rel_err(out, ref) < 1e-2
