@@ -154,12 +154,16 @@ class LocalCluster:
         input: str | None = None,
         check: bool = True,
         timeout: float = 120.0,
+        kubeconfig: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Runs the cluster's kubectl against this cluster; output is captured as text.
 
-        With ``check`` a non-zero exit raises ClusterError carrying kubectl's stderr.
+        ``kubeconfig`` replaces the admin kubeconfig (for example one from
+        ``write_token_kubeconfig``). With ``check`` a non-zero exit raises ClusterError carrying
+        kubectl's stderr.
         """
-        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        config = kubeconfig if kubeconfig is not None else self.kubeconfig
+        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={config}", *args]
         try:
             result = subprocess.run(
                 argv, input=input, capture_output=True, text=True, timeout=timeout, check=False
@@ -178,6 +182,18 @@ class LocalCluster:
     def kubectl_json(self, *args: str) -> Any:
         """``kubectl <args> -o json``, parsed."""
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def write_token_kubeconfig(self, token: str, path: Path) -> Path:
+        """Writes a kubeconfig that authenticates with ``token`` only (no client certificate).
+
+        For acting as a ServiceAccount (``kubectl create token``) to test RBAC for real.
+        """
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        admin["users"] = [{"name": "token", "user": {"token": token}}]
+        admin["contexts"][0]["context"]["user"] = "token"
+        path.write_text(yaml.safe_dump(admin, sort_keys=False))
+        path.chmod(0o600)
+        return path
 
     def __enter__(self) -> LocalCluster:
         return self.start()

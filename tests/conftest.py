@@ -1,0 +1,70 @@
+"""Fixtures shared by every test folder: the local Kubernetes control plane.
+
+Nothing here runs unless a test requests ``kube_cluster`` or ``kube_namespace``; the cluster starts
+once per session on first use (about ten seconds) and stops at the end. Set ``DAVIT_KUBECONFIG`` to
+the kubeconfig of a running cluster (for example the one printed by
+``python -m davit_operator.devcluster up``) to reuse it instead.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from davit_operator.devcluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A running control plane with KWOK fake nodes (see davit_operator.devcluster.nodes)."""
+    from davit_operator.devcluster import ClusterError, LocalCluster
+    from davit_operator.devcluster.paths import reuse_kubeconfig
+
+    reuse = reuse_kubeconfig()
+    if reuse is not None:
+        cluster = LocalCluster.connect(reuse)
+        ready = cluster.kubectl("get", "--raw=/readyz", check=False)
+        if ready.returncode != 0:
+            pytest.fail(
+                f"DAVIT_KUBECONFIG={reuse} does not reach a ready API server "
+                f"({ready.stderr.strip()}); start one with "
+                "`python -m davit_operator.devcluster up` or unset DAVIT_KUBECONFIG",
+                pytrace=False,
+            )
+        yield cluster
+        return
+    cluster = LocalCluster(state_dir=tmp_path_factory.mktemp("kube-cluster"))
+    try:
+        cluster.start()
+    except ClusterError as err:
+        pytest.fail(f"the local control plane did not start: {err}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def kube_namespace(kube_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace named after the test; deleted (and waited for) afterwards.
+
+    Waiting for the deletion frees the fake nodes' GPUs before the next test schedules pods.
+    """
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    name = f"t-{stem}-{uuid.uuid4().hex[:6]}"
+    kube_cluster.kubectl("create", "namespace", name)
+    kube_cluster.kubectl("label", "namespace", name, "davit.dev/test=true")
+    # Pods are refused until the ServiceAccount controller has created "default".
+    deadline = time.monotonic() + 30
+    while kube_cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            pytest.fail(f"namespace {name} got no default ServiceAccount within 30 s")
+        time.sleep(0.2)
+    yield name
+    kube_cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--timeout=90s")
