@@ -440,3 +440,13 @@ def test_runner_output_must_match_needs_sample() -> None:
     out = scheduler2.schedule()
     with pytest.raises(ValueError, match="no token"):
         scheduler2.update_from_output(out, RunnerOutput([None]))
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache() -> None:
+    scheduler, runner = make()
+    prompt = list(range(700, 713))
+    scheduler.add_request(ereq("a", prompt, max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(ereq("b", prompt, max_tokens=1, prompt_logprobs=1))
+    (sreq,) = scheduler.schedule().scheduled
+    assert (sreq.num_computed_tokens, sreq.num_new_tokens) == (0, 13)
