@@ -200,10 +200,8 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting[0]
             # Prompt logprobs need logits at every prompt position: nothing may be skipped.
-            if req.sampling.prompt_logprobs is None:
-                cached_block_ids = bm.match_prefix(req)
-            else:
-                cached_block_ids = []
+            wants_prompt_logprobs = req.sampling.prompt_logprobs is not None
+            cached_block_ids = [] if wants_prompt_logprobs else bm.match_prefix(req)
             num_cached = len(cached_block_ids) * self.block_size
             num_new = len(req.token_ids) - num_cached
             if num_new > budget:
