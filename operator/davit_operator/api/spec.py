@@ -1,0 +1,574 @@
+"""The `InferenceService` spec: the only schema source for the CRD's `spec`.
+
+Field descriptions become `kubectl explain` text; `Field` bounds, patterns and `Literal` enums
+become OpenAPI validation; `x-kubernetes-validations` (CEL) rules carry the cross-field rules, so
+the API server itself rejects invalid objects before the operator sees them. The operator parses
+the same models again (`InferenceServiceSpec.model_validate`) and relies on the same defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+EngineType = Literal["davit", "vllm"]
+Variant = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
+RunnerChoice = Literal["auto", "v2", "v1"]
+Vendor = Literal["nvidia", "amd", "intel", "cpu"]
+ImagePolicy = Literal["Strict", "Permissive"]
+SpeculativeMethod = Literal[
+    "ngram", "eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator"
+]
+
+# A Kubernetes quantity ("4", 4, "500m", "16Gi"): int-or-string in the schema.
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+        }
+    ),
+]
+
+# Flags the operator derives from typed fields; setting them through extraArgs would fight the plan.
+OWNED_FLAGS = (
+    "--port",
+    "--host",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--gpu-memory-utilization",
+    "--runner",
+    "--revision",
+    "--speculative-config",
+    "--logits-processors",
+)
+
+
+# Device-plugin resources the operator requests from accelerator.vendor/count.
+ACCELERATOR_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915")
+
+
+def _cel(rule: str, message: str, field_path: str | None = None, **extra: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    entry.update(extra)
+    return entry
+
+
+class CrdModel(BaseModel):
+    """Base for every schema model: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.source.startsWith('hf://') || has(self.revision)",
+                    "model.revision is required for hf:// sources: pin the exact commit hash or "
+                    "tag so that every replica loads the same weights",
+                    ".revision",
+                    reason="FieldValueRequired",
+                ),
+                _cel(
+                    "!has(self.file) || self.file.endsWith('.gguf')",
+                    "model.file names a single GGUF file inside the source and must end in .gguf; "
+                    "omit it for safetensors directories",
+                    ".file",
+                ),
+                _cel(
+                    "!has(self.file) || self.source.startsWith('pvc://')",
+                    "model.file names a file on a volume and needs a pvc:// source; hf:// and "
+                    "random:// sources are loaded as repositories",
+                    ".file",
+                ),
+            ]
+        }
+    )
+
+    source: str = Field(
+        max_length=512,
+        pattern=r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+        r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)+"
+        r"|random://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
+        description=(
+            "Where the weights come from: hf://ORG/NAME (a Hugging Face repository), "
+            "pvc://CLAIM/PATH (a directory or file on a PersistentVolumeClaim in the same "
+            "namespace, mounted read-only), or random://ORG/NAME (random weights in the shape of "
+            "that repository's config, for benchmarks)."
+        ),
+    )
+    revision: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description=(
+            "Exact revision of an hf:// source (commit hash or tag). Required for hf:// so that "
+            "every replica and every restart loads the same weights."
+        ),
+    )
+    file: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="A GGUF file inside the source to load instead of a safetensors directory.",
+    )
+    served_name: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        description=(
+            "Model name clients send in OpenAI requests. Defaults to ORG/NAME of the source "
+            "(the last path element for pvc://)."
+        ),
+    )
+
+
+class EngineSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.imagePolicy != 'Strict' || !has(self.image) || "
+                    "self.image.contains('@sha256:')",
+                    "engine.imagePolicy Strict requires engine.image to be pinned by digest "
+                    "(REPOSITORY@sha256:...); use imagePolicy: Permissive to allow a tag",
+                    ".image",
+                ),
+                _cel(
+                    "self.extraArgs.all(a, !(a.split('=')[0] in ["
+                    + ", ".join(f"'{flag}'" for flag in OWNED_FLAGS)
+                    + "]))",
+                    "engine.extraArgs must not set flags the operator derives from typed fields "
+                    "(" + ", ".join(OWNED_FLAGS) + "); set the matching spec field instead",
+                    ".extraArgs",
+                ),
+            ]
+        }
+    )
+
+    type: EngineType = Field(
+        default="davit",
+        description="Which engine serves the model: davit (this project's engine) or vllm "
+        "(upstream vLLM images).",
+    )
+    version: str = Field(
+        max_length=32,
+        pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$",
+        description=(
+            "Engine release (MAJOR.MINOR.PATCH) looked up in the operator's catalog, which maps "
+            "it to the exact image tag even where a release title differs from its tag."
+        ),
+    )
+    variant: Variant | None = Field(
+        default=None,
+        description=(
+            "Image variant. Defaults from accelerator.vendor: nvidia -> cuda13.0, amd -> rocm, "
+            "intel -> xpu, cpu -> cpu. cuda12.9 is only published by some releases."
+        ),
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=r"^[a-z0-9]([a-z0-9._/:-]*[a-z0-9])?(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?"
+        r"(@sha256:[a-f0-9]{64})?$",
+        description=(
+            "Image override (REPOSITORY:TAG or REPOSITORY@sha256:DIGEST). The engine type and "
+            "version still select arguments and runner; the catalog's image is not used."
+        ),
+    )
+    image_policy: ImagePolicy = Field(
+        default="Permissive",
+        description=(
+            "Strict: refuse any image not pinned by digest (catalog digest or an override with "
+            "@sha256:). Permissive: a tag is accepted and reported as unpinned in status."
+        ),
+    )
+    runner: RunnerChoice = Field(
+        default="auto",
+        description=(
+            "Model runner: auto picks V2 unless a requested feature needs V1 (the reason is "
+            "reported in status); v2 or v1 force one and are refused when unsupported."
+        ),
+    )
+    extra_args: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Additional engine command-line arguments, appended after the derived ones.",
+    )
+
+
+class AcceleratorSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.vendor != 'cpu' || !has(self.count) || self.count == 0",
+                    "accelerator.count must be 0 or unset when accelerator.vendor is cpu",
+                    ".count",
+                ),
+                _cel(
+                    "self.vendor == 'cpu' || !has(self.count) || self.count >= 1",
+                    "accelerator.count must be at least 1 for a GPU vendor; use vendor: cpu to "
+                    "run without accelerators",
+                    ".count",
+                ),
+                _cel(
+                    "self.vendor != 'cpu' || !has(self.product)",
+                    "accelerator.product names a GPU model and cannot be set for vendor cpu",
+                    ".product",
+                ),
+            ]
+        }
+    )
+
+    vendor: Vendor = Field(
+        description="Accelerator vendor; selects the device resource and image variant."
+    )
+    product: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$",
+        description=(
+            "GPU product as the node's product label spells it (for example NVIDIA-H200, "
+            "AMD-Instinct-MI300X); pods are placed only on nodes with that label value."
+        ),
+    )
+    count: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description=(
+            "Accelerators per replica. Defaults to parallelism.tensor x pipeline x data for GPU "
+            "vendors; must equal that product when set."
+        ),
+    )
+
+
+class ExpertParallelSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.elastic || self.enabled",
+                    "parallelism.expert.elastic requires parallelism.expert.enabled: true",
+                    ".elastic",
+                )
+            ]
+        }
+    )
+
+    enabled: bool = Field(default=False, description="Shard MoE experts across the GPUs.")
+    elastic: bool = Field(
+        default=False,
+        description="Elastic expert parallelism (rescale without restart). V1-only upstream.",
+    )
+
+
+class ParallelismSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.sequenceParallelism || self.tensor >= 2",
+                    "parallelism.sequenceParallelism shards along the tensor-parallel group; set "
+                    "parallelism.tensor to 2 or more",
+                    ".sequenceParallelism",
+                ),
+                _cel(
+                    "!self.dualBatchOverlap || self.expert.enabled",
+                    "parallelism.dualBatchOverlap overlaps expert-parallel communication; set "
+                    "parallelism.expert.enabled: true",
+                    ".dualBatchOverlap",
+                ),
+            ]
+        }
+    )
+
+    tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel size inside a pod.")
+    pipeline: int = Field(
+        default=1, ge=1, le=16, description="Pipeline-parallel size inside a pod."
+    )
+    data: int = Field(default=1, ge=1, le=64, description="Data-parallel ranks inside a pod.")
+    sequence_parallelism: bool = Field(
+        default=False, description="Sequence parallelism across the tensor-parallel group."
+    )
+    dual_batch_overlap: bool = Field(
+        default=False, description="Dual-batch overlap of compute and expert communication."
+    )
+    expert: ExpertParallelSpec = Field(
+        default_factory=ExpertParallelSpec,
+        json_schema_extra={"default": {}},
+        description="Expert parallelism for mixture-of-experts models.",
+    )
+
+
+class SpeculativeSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.method != 'draft_model' || has(self.draftModel)",
+                    "features.speculative.draftModel is required when method is draft_model",
+                    ".draftModel",
+                    reason="FieldValueRequired",
+                ),
+                _cel(
+                    "self.method == 'draft_model' || !has(self.draftModel)",
+                    "features.speculative.draftModel is only used by method draft_model",
+                    ".draftModel",
+                ),
+                _cel(
+                    "self.method == 'ngram' || (!has(self.promptLookupMax) && "
+                    "!has(self.promptLookupMin))",
+                    "promptLookupMin/promptLookupMax only apply to method ngram",
+                ),
+                _cel(
+                    "!has(self.promptLookupMax) || !has(self.promptLookupMin) || "
+                    "self.promptLookupMin <= self.promptLookupMax",
+                    "features.speculative.promptLookupMin must not exceed promptLookupMax",
+                    ".promptLookupMin",
+                ),
+            ]
+        }
+    )
+
+    method: SpeculativeMethod = Field(description="Speculative decoding proposer.")
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=16, description="Draft tokens proposed per step."
+    )
+    draft_model: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="ORG/NAME of the draft model (method draft_model only).",
+    )
+    prompt_lookup_max: int | None = Field(
+        default=None, ge=1, le=64, description="Longest n-gram matched in the prompt (ngram)."
+    )
+    prompt_lookup_min: int | None = Field(
+        default=None, ge=1, le=64, description="Shortest n-gram matched in the prompt (ngram)."
+    )
+
+
+class FeaturesSpec(CrdModel):
+    prefix_caching: bool = Field(
+        default=True, description="Reuse KV-cache blocks of shared prompt prefixes."
+    )
+    speculative: SpeculativeSpec | None = Field(
+        default=None, description="Speculative decoding; off when unset."
+    )
+    custom_logits_processors: list[
+        Annotated[
+            str,
+            Field(
+                max_length=256,
+                pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+                r"(:[A-Za-z_][A-Za-z0-9_]*)?$",
+            ),
+        ]
+    ] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Fully qualified names of custom logits processors loaded by the engine "
+            "(module.Class). Runner V2 does not support them: they select V1."
+        ),
+    )
+
+
+class LimitsSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.maxNumBatchedTokens) || !has(self.maxNumSeqs) || "
+                    "self.maxNumBatchedTokens >= self.maxNumSeqs",
+                    "limits.maxNumBatchedTokens must be at least limits.maxNumSeqs: every "
+                    "running sequence needs one token per step",
+                    ".maxNumBatchedTokens",
+                ),
+            ]
+        }
+    )
+
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=10_485_760, description="Longest prompt + output, in tokens."
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=65_536, description="Most sequences scheduled in one step."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, le=10_485_760, description="Token budget of one scheduler step."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of each GPU's memory the engine may use (0 < x <= 1).",
+    )
+
+
+class Toleration(CrdModel):
+    key: str | None = Field(default=None, max_length=316, description="Taint key to tolerate.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value (Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; all effects when unset."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated."
+    )
+
+
+class EnvVar(CrdModel):
+    name: str = Field(
+        max_length=256,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+        description="Environment variable name.",
+    )
+    value: str | None = Field(default=None, max_length=32768, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...).",
+    )
+
+
+class ResourcesSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.requests.all(k, !(k in ["
+                    + ", ".join(f"'{r}'" for r in ACCELERATOR_RESOURCES)
+                    + "])) && self.limits.all(k, !(k in ["
+                    + ", ".join(f"'{r}'" for r in ACCELERATOR_RESOURCES)
+                    + "]))",
+                    "pod.resources cannot request accelerators ("
+                    + ", ".join(ACCELERATOR_RESOURCES)
+                    + "); set accelerator.vendor and accelerator.count instead",
+                )
+            ]
+        }
+    )
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Extra resource requests (cpu, memory, ...)."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Extra resource limits (cpu, memory, ...)."
+    )
+
+
+class PodSpecOverrides(CrdModel):
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, description="Node labels added to the accelerator's own selector."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Tolerations for the engine pods."
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        json_schema_extra={"default": {}},
+        description=(
+            "CPU/memory requests and limits. The accelerator resource itself comes from "
+            "accelerator.vendor and count and cannot be set here."
+        ),
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Extra environment variables for the engine container.",
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="ServiceAccount of the engine pods.",
+    )
+
+
+class InferenceServiceSpec(CrdModel):
+    """Desired state of one served model."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.accelerator.count) || self.accelerator.vendor == 'cpu' || "
+                    "self.accelerator.count == "
+                    "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data",
+                    "accelerator.count must equal parallelism.tensor x pipeline x data",
+                    ".accelerator.count",
+                    messageExpression=(
+                        "'accelerator.count (' + string(self.accelerator.count) + ') must equal "
+                        "parallelism.tensor x pipeline x data (' + string(self.parallelism.tensor"
+                        " * self.parallelism.pipeline * self.parallelism.data) + '); omit count to"
+                        " derive it'"
+                    ),
+                ),
+                _cel(
+                    "self.accelerator.vendor != 'cpu' || (self.parallelism.tensor == 1 && "
+                    "self.parallelism.pipeline == 1)",
+                    "tensor and pipeline parallelism need GPUs; set accelerator.vendor to a GPU "
+                    "vendor or parallelism.tensor/pipeline to 1",
+                    ".parallelism",
+                ),
+                _cel(
+                    "!has(self.engine.variant) || "
+                    "(self.accelerator.vendor == 'nvidia' && self.engine.variant.startsWith('cuda'))"
+                    " || (self.accelerator.vendor == 'amd' && self.engine.variant == 'rocm')"
+                    " || (self.accelerator.vendor == 'intel' && self.engine.variant == 'xpu')"
+                    " || (self.accelerator.vendor == 'cpu' && self.engine.variant == 'cpu')",
+                    "engine.variant does not run on accelerator.vendor",
+                    ".engine.variant",
+                    messageExpression=(
+                        "'engine.variant ' + self.engine.variant + ' does not run on "
+                        "accelerator.vendor ' + self.accelerator.vendor + ' (nvidia: cuda13.0 or "
+                        "cuda12.9, amd: rocm, intel: xpu, cpu: cpu); omit engine.variant to "
+                        "derive it'"
+                    ),
+                ),
+            ]
+        }
+    )
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(description="Engine type, release, image and runner.")
+    accelerator: AcceleratorSpec = Field(description="Accelerator per replica.")
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec,
+        json_schema_extra={"default": {}},
+        description="How one replica spreads over its accelerators.",
+    )
+    features: FeaturesSpec = Field(
+        default_factory=FeaturesSpec,
+        json_schema_extra={"default": {}},
+        description="Optional engine features; some of them select runner V1.",
+    )
+    limits: LimitsSpec = Field(
+        default_factory=LimitsSpec,
+        json_schema_extra={"default": {}},
+        description="Memory and scheduling limits passed to the engine.",
+    )
+    replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods (replicas).")
+    pod: PodSpecOverrides = Field(
+        default_factory=PodSpecOverrides,
+        json_schema_extra={"default": {}},
+        description="Pod-level overrides: node selector, tolerations, resources, env, account.",
+    )

@@ -1,0 +1,91 @@
+"""The `InferenceService` status, as the operator writes it.
+
+kstatus readers (Argo CD, Flux, `kubectl wait`) need `observedGeneration` and the conditions
+`Ready`, `Reconciling` and `Stalled`; the domain conditions `ImageResolved` and `RunnerSelected`
+explain the two decisions the operator takes for the user. Printer columns read the flat summary
+fields (`engine`, `runner`, `accelerator`, `replicaSummary`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from davit_operator.api.spec import CrdModel
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+READY = "Ready"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
+IMAGE_RESOLVED = "ImageResolved"
+RUNNER_SELECTED = "RunnerSelected"
+SCHEDULABLE = "Schedulable"
+
+
+class Condition(CrdModel):
+    type: str = Field(max_length=64, description="Condition type (Ready, Stalled, ...).")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=128, description="CamelCase reason for the last transition.")
+    message: str = Field(default="", max_length=4096, description="Human-readable explanation.")
+    last_transition_time: str = Field(
+        description="RFC 3339 time the status last changed.", max_length=64
+    )
+    observed_generation: int = Field(
+        default=0, ge=0, description="metadata.generation this condition was computed from."
+    )
+
+
+class ArtifactStatus(CrdModel):
+    image: str = Field(description="Full image reference used by the pods.")
+    repository: str = Field(description="Image repository.")
+    tag: str | None = Field(default=None, description="Exact image tag, when known.")
+    digest: str | None = Field(default=None, description="sha256 digest, when known.")
+    pinned: bool = Field(description="True when the pods reference the image by digest.")
+    engine_type: str = Field(description="davit or vllm.")
+    engine_version: str = Field(description="Engine release (the catalog's version).")
+    release_title: str | None = Field(
+        default=None, description="The release's published title, when it differs from its tag."
+    )
+    variant: str = Field(description="Image variant (cuda13.0, cuda12.9, rocm, cpu, xpu).")
+    catalog_version: str = Field(description="Catalog version the image was resolved from.")
+    source: Literal["catalog", "override"] = Field(
+        description="Whether the image came from the catalog or from engine.image."
+    )
+
+
+class RunnerStatus(CrdModel):
+    name: Literal["v1", "v2"] = Field(description="Selected model runner.")
+    reason: str = Field(description="Why this runner was selected.")
+
+
+class InferenceServiceStatus(CrdModel):
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the status describes."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="kstatus conditions plus ImageResolved, RunnerSelected and Schedulable.",
+    )
+    artifact: ArtifactStatus | None = Field(
+        default=None, description="The exact engine artifact the pods run."
+    )
+    runner: RunnerStatus | None = Field(default=None, description="Selected model runner.")
+    engine: str | None = Field(default=None, description="Summary: TYPE VERSION (printer column).")
+    accelerator: str | None = Field(
+        default=None, description="Summary: COUNT x PRODUCT per replica (printer column)."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list, description="Effective engine command line (after the command)."
+    )
+    desired_replicas: int | None = Field(default=None, description="spec.replicas observed.")
+    ready_replicas: int | None = Field(default=None, description="Replicas passing readiness.")
+    updated_replicas: int | None = Field(
+        default=None, description="Replicas running the current pod template."
+    )
+    replica_summary: str | None = Field(default=None, description="READY/DESIRED (printer column).")
+    url: str | None = Field(
+        default=None, description="In-cluster base URL of the OpenAI-compatible API."
+    )

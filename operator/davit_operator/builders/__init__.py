@@ -1,0 +1,177 @@
+"""Pure builders: Plan -> Kubernetes objects as plain, deterministic dicts.
+
+Every object carries the owner reference (garbage collection when the InferenceService goes),
+the common labels, and only fields the operator means to own: server-side apply makes the
+operator the manager of exactly these fields, and drift detection compares exactly these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from davit_operator.api import API_VERSION, GROUP, KIND
+from davit_operator.planning import Plan
+from davit_operator.planning.args import MODEL_CACHE_DIR
+
+MANAGED_BY = "davit-operator"
+INSTANCE_LABEL = f"{GROUP}/inferenceservice"
+STARTUP_FAILURE_THRESHOLD = 180  # x 10 s: half an hour to download and load large weights
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService that owns the children."""
+
+    name: str
+    uid: str
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that select the replicas; immutable for the life of the Deployment."""
+    return {INSTANCE_LABEL: name}
+
+
+def common_labels(plan: Plan) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "davit-engine",
+        "app.kubernetes.io/instance": plan.name,
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        f"{GROUP}/engine": plan.image.engine_type,
+        **selector_labels(plan.name),
+    }
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(plan: Plan, owner: Owner) -> dict[str, Any]:
+    return {
+        "name": plan.name,
+        "namespace": plan.namespace,
+        "labels": common_labels(plan),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def _probe(path: str, period: int, failure_threshold: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def _container(plan: Plan) -> dict[str, Any]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    mounts += [
+        {"name": m.volume_name, "mountPath": m.mount_path, "readOnly": True}
+        for m in plan.invocation.model_mounts
+    ]
+    return {
+        "name": "engine",
+        "image": plan.image.reference,
+        "command": plan.invocation.command,
+        "args": plan.invocation.args,
+        "env": plan.invocation.env,
+        "ports": [{"name": "http", "containerPort": plan.port, "protocol": "TCP"}],
+        "resources": plan.placement.resources,
+        "readinessProbe": _probe(plan.health.readiness, 5, 3),
+        "livenessProbe": _probe(plan.health.liveness, 10, 6),
+        "startupProbe": _probe(plan.health.liveness, 10, STARTUP_FAILURE_THRESHOLD),
+        "volumeMounts": mounts,
+    }
+
+
+def deployment(plan: Plan, owner: Owner) -> dict[str, Any]:
+    """The engine Deployment."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": {}},
+        # Tensor-parallel workers exchange tensors through shared memory.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    volumes += [
+        {
+            "name": m.volume_name,
+            "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True},
+        }
+        for m in plan.invocation.model_mounts
+    ]
+    pod_spec: dict[str, Any] = {
+        "containers": [_container(plan)],
+        "volumes": volumes,
+        # Engines drain in-flight requests on SIGTERM.
+        "terminationGracePeriodSeconds": 60,
+    }
+    if plan.placement.node_selector:
+        pod_spec["nodeSelector"] = plan.placement.node_selector
+    if plan.placement.tolerations:
+        pod_spec["tolerations"] = plan.placement.tolerations
+    if plan.placement.affinity:
+        pod_spec["affinity"] = plan.placement.affinity
+    if plan.spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = plan.spec.pod.service_account_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(plan, owner),
+        "spec": {
+            "replicas": plan.replicas,
+            "selector": {"matchLabels": selector_labels(plan.name)},
+            # Accelerators are scarce: never start an extra replica during a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "template": {"metadata": {"labels": common_labels(plan)}, "spec": pod_spec},
+        },
+    }
+
+
+def service(plan: Plan, owner: Owner) -> dict[str, Any]:
+    """ClusterIP Service in front of the replicas (port 8000, named http)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(plan, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(plan.name),
+            "ports": [{"name": "http", "port": plan.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(plan: Plan, owner: Owner) -> dict[str, Any] | None:
+    """At most one voluntary disruption at a time; None for a single replica, where a budget
+    would only block node drains."""
+    if plan.replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(plan, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(plan.name)}},
+    }
+
+
+def children(plan: Plan, owner: Owner) -> list[dict[str, Any]]:
+    """Every child the plan wants, in apply order."""
+    built = [deployment(plan, owner), service(plan, owner)]
+    pdb = pod_disruption_budget(plan, owner)
+    if pdb is not None:
+        built.append(pdb)
+    return built

@@ -1,0 +1,123 @@
+"""Operator commands of the `davit` console script: `operator`, `crds` and `cluster`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+OPERATOR_USAGE = "davit operator [--namespace NS ... | --all-namespaces] [flags]"
+
+
+def _operator_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="davit operator",
+        usage=OPERATOR_USAGE,
+        description="Run the InferenceService operator (kopf) against the current kubeconfig.",
+    )
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        metavar="NS",
+        help="serve InferenceServices in NS (repeatable; glob patterns allowed)",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="serve the whole cluster"
+    )
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)"
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8081/healthz",
+        metavar="URL",
+        help="kopf liveness endpoint ('' to disable)",
+    )
+    parser.add_argument(
+        "--drift-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often each InferenceService is re-checked against its children",
+    )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        default=None,
+        help="enable kopf peering (one active operator per NAME); off by default",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return parser
+
+
+def run_operator(argv: list[str]) -> int:
+    """Parse flags, load the catalog (fail fast), register handlers and run kopf until
+    interrupted."""
+    args = _operator_parser().parse_args(argv)
+    if args.drift_interval <= 0:
+        print(
+            f"davit operator: --drift-interval must be > 0 seconds, got {args.drift_interval}",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import kopf
+
+    from davit_operator.catalog import CatalogError, default_catalog
+    from davit_operator.handlers import OperatorOptions, register
+    from davit_operator.metrics import serve_metrics
+
+    try:
+        catalog = default_catalog()
+    except CatalogError as exc:
+        print(f"davit operator: the catalog is invalid: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("davit_operator").info("catalog %s loaded", catalog.version)
+    if args.kubeconfig:
+        # kopf's own login reads $KUBECONFIG; keep both clients on the same cluster.
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    options = OperatorOptions(
+        drift_interval=args.drift_interval, kubeconfig=args.kubeconfig, peering=args.peering
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, options)
+    if args.metrics_port:
+        serve_metrics(args.metrics_port)
+    kopf.configure(verbose=args.verbose)
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            clusterwide=bool(args.all_namespaces),
+            namespaces=args.namespace or (),
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
+    return 0
+
+
+def operator_cli_main(command: str, rest: list[str]) -> int:
+    """Entry for `davit operator|crds|cluster ...`; returns the process exit code."""
+    if command == "operator":
+        return run_operator(rest)
+    if command == "crds":
+        from davit_operator.api.crdgen import crdgen_main
+
+        return crdgen_main(rest)
+    if command == "cluster":
+        from davit_operator.devcluster.cli import devcluster_main
+
+        return devcluster_main(rest)
+    print(
+        f"davit: {command!r} is not an operator command (operator, crds, cluster)", file=sys.stderr
+    )
+    return 2

@@ -1,0 +1,340 @@
+"""Thin kopf handlers: parse, plan, apply, write status through kopf's patch.
+
+Every trigger (create, update, resume, and the periodic drift timer) runs the same level-based
+`reconcile`: it computes the whole desired state, writes only children that differ from it, and
+patches only status fields that changed. Live children come from kopf indexes fed by watches,
+so an idle reconcile makes no API request at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from davit_operator.api import GROUP, PLURAL, VERSION
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.api.status import IMAGE_RESOLVED
+from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY, Owner, children
+from davit_operator.catalog import Catalog, default_catalog
+from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply, with_hash
+from davit_operator.metrics import (
+    CHILD_WRITES,
+    RECONCILE_DURATION,
+    RECONCILE_ERRORS,
+    RECONCILE_TOTAL,
+    STATUS_WRITES,
+)
+from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
+from davit_operator.status import compute_status, status_patch
+
+CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
+WATCHED_STATES = ("Ready", "Stalled")
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """Settings chosen on the command line."""
+
+    drift_interval: float = 30.0
+    kubeconfig: str | None = None
+    peering: str | None = None
+    retry_delay: float = 5.0
+
+
+@dataclass
+class Runtime:
+    """Per-process state shared by the handlers through kopf's memo."""
+
+    catalog: Catalog
+    kube: KubeClient
+    locks: dict[str, asyncio.Lock]
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _strip(body: kopf.Body) -> dict[str, Any]:
+    """A compact copy of a watched object: managedFields are large and never needed."""
+    obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
+    obj["metadata"].pop("managedFields", None)
+    return obj
+
+
+def _first(index: kopf.Index[Any, Any], key: Any) -> Any | None:
+    store = index.get(key)
+    if not store:
+        return None
+    for value in store:
+        return value
+    return None
+
+
+def _spec_error(exc: ValidationError) -> PlanError:
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return PlanError(
+        field=field,
+        value=first.get("input"),
+        reason="InvalidSpec",
+        condition=IMAGE_RESOLVED,
+        message=f"spec.{field}: {first['msg']} (the CRD schema should have refused this; "
+        "is the installed CRD older than the operator?)",
+    )
+
+
+def _post_events(body: kopf.Body, old: dict[str, Any], new: dict[str, Any]) -> None:
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    for cond in new.get("conditions") or []:
+        kind = cond["type"]
+        if kind not in WATCHED_STATES:
+            continue
+        prior = before.get(kind)
+        if prior and (prior.get("status"), prior.get("reason")) == (cond["status"], cond["reason"]):
+            continue
+        if kind == "Stalled" and cond["status"] != "True" and not prior:
+            continue
+        warning = (kind == "Stalled") == (cond["status"] == "True")
+        message = cond["message"] or f"{kind} is {cond['status']}"
+        kopf.event(
+            body,
+            type="Warning" if warning and kind == "Stalled" else "Normal",
+            reason=cond["reason"],
+            message=f"{kind}={cond['status']}: {message}",
+        )
+
+
+async def _apply_children(
+    runtime: Runtime, plan: Plan, owner: Owner, indexes: dict[str, kopf.Index[Any, Any]]
+) -> dict[str, Any] | None:
+    """Apply what differs; delete a PodDisruptionBudget no longer wanted. Returns the live
+    Deployment (fresh from the apply when one happened, else from the index)."""
+    key = (plan.namespace, plan.name)
+    live_deployment: dict[str, Any] | None = _first(indexes["deployment"], key)
+    wanted_kinds = set()
+    for desired in children(plan, owner):
+        kind = desired["kind"]
+        wanted_kinds.add(kind)
+        live = _first(indexes[kind.lower()], key)
+        obj = with_hash(desired)
+        if not needs_apply(obj, live):
+            continue
+        applied = await runtime.kube.apply(obj)
+        CHILD_WRITES.labels(kind=kind, action="apply").inc()
+        if kind == "Deployment":
+            live_deployment = applied
+    stale = _first(indexes["poddisruptionbudget"], key)
+    if "PodDisruptionBudget" not in wanted_kinds and stale is not None:
+        await runtime.kube.delete(
+            "PodDisruptionBudget", plan.namespace, plan.name, stale["metadata"]["uid"]
+        )
+        CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
+    return live_deployment
+
+
+def _nodes(index: kopf.Index[Any, Any]) -> list[NodeFacts]:
+    found: list[NodeFacts] = []
+    for key in index:
+        node = _first(index, key)
+        if node is not None:
+            found.append(node)
+    return sorted(found, key=lambda n: n.name)
+
+
+async def reconcile(
+    *,
+    trigger: str,
+    runtime: Runtime,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    indexes: dict[str, kopf.Index[Any, Any]],
+    retry_delay: float,
+) -> None:
+    """Level-based reconcile of one InferenceService (see module docstring)."""
+    started = time.monotonic()
+    meta = body.metadata
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    generation = int(meta.get("generation", 0))
+    lock = runtime.locks.setdefault(uid, asyncio.Lock())
+    result = "ok"
+    async with lock:
+        try:
+            plan: Plan | None = None
+            error: PlanError | None = None
+            try:
+                spec = InferenceServiceSpec.model_validate(dict(body.spec))
+                plan = make_plan(name, namespace, spec, runtime.catalog, _nodes(indexes["node"]))
+            except ValidationError as exc:
+                error = _spec_error(exc)
+            except PlanError as exc:
+                error = exc
+            deployment = _first(indexes["deployment"], (namespace, name))
+            if plan is not None:
+                try:
+                    deployment = await _apply_children(
+                        runtime, plan, Owner(name=name, uid=uid), indexes
+                    )
+                except KubeError as exc:
+                    if exc.is_temporary:
+                        raise
+                    # The API server refused a child built from this spec: the user must act.
+                    error = PlanError(
+                        field="spec",
+                        value=None,
+                        reason="ChildRejected",
+                        condition="",
+                        message=exc.message,
+                    )
+                    plan = None
+            if error is not None:
+                result = "stalled"
+                RECONCILE_ERRORS.labels(kind="spec").inc()
+            old = dict(body.status)
+            new = compute_status(
+                plan=plan,
+                error=error,
+                deployment=deployment,
+                old_status=old,
+                generation=generation,
+                now=_now(),
+            )
+            changes = status_patch(old, new)
+            if changes:
+                for key, value in changes.items():
+                    patch.status[key] = value
+                STATUS_WRITES.inc()
+                _post_events(body, old, new)
+        except KubeError as exc:
+            result = "retry"
+            RECONCILE_ERRORS.labels(kind="api").inc()
+            raise kopf.TemporaryError(f"API server: {exc.message}", delay=retry_delay) from exc
+        except Exception:
+            result = "error"
+            RECONCILE_ERRORS.labels(kind="unexpected").inc()
+            raise
+        finally:
+            RECONCILE_TOTAL.labels(trigger=trigger, result=result).inc()
+            RECONCILE_DURATION.labels(trigger=trigger).observe(time.monotonic() - started)
+
+
+def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
+    """Register every handler on `registry` with the given options."""
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.startup(registry=registry, id="configure")
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        # Progress and the last-handled spec live in annotations under our group: the status
+        # schema is typed and has no room for kopf's bookkeeping.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration"
+        )
+        # The timer needs a finalizer so kopf can stop it before the object goes; children
+        # are garbage-collected through their owner references, not by a deletion handler.
+        settings.persistence.finalizer = f"{GROUP}/finalizer"
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.networking.request_timeout = 60
+        settings.peering.standalone = options.peering is None
+        if options.peering is not None:
+            settings.peering.name = options.peering
+            settings.peering.clusterwide = True
+        memo.runtime = Runtime(
+            catalog=default_catalog(),
+            kube=KubeClient(load_credentials(options.kubeconfig)),
+            locks={},
+        )
+
+    @kopf.on.cleanup(registry=registry, id="close")
+    async def close(memo: kopf.Memo, **_: Any) -> None:
+        runtime: Runtime | None = getattr(memo, "runtime", None)
+        if runtime is not None:
+            await runtime.kube.close()
+
+    @kopf.index(
+        "apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry, id="deployment_index"
+    )
+    def deployment_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[Any, Any] | None:
+        owner = labels.get(INSTANCE_LABEL)
+        return {(namespace, owner): _strip(body)} if owner else None
+
+    @kopf.index("v1", "services", labels=CHILD_LABELS, registry=registry, id="service_index")
+    def service_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[Any, Any] | None:
+        owner = labels.get(INSTANCE_LABEL)
+        return {(namespace, owner): _strip(body)} if owner else None
+
+    @kopf.index(
+        "policy",
+        "v1",
+        "poddisruptionbudgets",
+        labels=CHILD_LABELS,
+        registry=registry,
+        id="pdb_index",
+    )
+    def pdb_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[Any, Any] | None:
+        owner = labels.get(INSTANCE_LABEL)
+        return {(namespace, owner): _strip(body)} if owner else None
+
+    @kopf.index("v1", "nodes", registry=registry, id="node_index")
+    def node_index(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return {
+            name: NodeFacts(
+                name=name,
+                labels=dict(body.metadata.labels),
+                allocatable=dict(body.status.get("allocatable") or {}),
+                unschedulable=bool(body.spec.get("unschedulable", False)),
+            )
+        }
+
+    async def run(
+        trigger: str, memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **kw: Any
+    ) -> None:
+        await reconcile(
+            trigger=trigger,
+            runtime=memo.runtime,
+            body=body,
+            patch=patch,
+            indexes={
+                "deployment": kw["deployment_index"],
+                "service": kw["service_index"],
+                "poddisruptionbudget": kw["pdb_index"],
+                "node": kw["node_index"],
+            },
+            retry_delay=options.retry_delay,
+        )
+
+    @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")
+    async def on_resume(**kwargs: Any) -> None:
+        await run("resume", **kwargs)
+
+    @kopf.on.create(*resource, registry=registry, backoff=options.retry_delay, id="create")
+    async def on_create(**kwargs: Any) -> None:
+        await run("create", **kwargs)
+
+    @kopf.on.update(*resource, registry=registry, backoff=options.retry_delay, id="update")
+    async def on_update(**kwargs: Any) -> None:
+        await run("update", **kwargs)
+
+    @kopf.timer(
+        *resource,
+        registry=registry,
+        id="drift",
+        interval=options.drift_interval,
+        initial_delay=options.drift_interval,
+    )
+    async def drift(**kwargs: Any) -> None:
+        await run("timer", **kwargs)

@@ -1,0 +1,147 @@
+"""Engine command line, environment and model volumes for the chosen engine type.
+
+Both engines take the upstream flag names (`davit serve` mirrors `vllm serve`); they differ in
+how the runner is chosen (a `--runner` flag or an environment variable, from the catalog) and in
+their readiness endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.catalog import EngineInfo
+from davit_operator.planning.runner import SelectedRunner
+
+ENGINE_PORT = 8000
+MODEL_CACHE_DIR = "/var/cache/davit"
+MODELS_DIR = "/models"
+
+
+@dataclass(frozen=True)
+class ModelMount:
+    """A volume the engine container needs for its model (a PVC, read-only)."""
+
+    volume_name: str
+    claim_name: str
+    mount_path: str
+
+
+@dataclass(frozen=True)
+class EngineInvocation:
+    command: list[str]
+    args: list[str]
+    env: list[dict[str, Any]]
+    model_mounts: list[ModelMount] = field(default_factory=list)
+
+
+def served_name(spec: InferenceServiceSpec) -> str:
+    """model.servedName, else ORG/NAME of hf:// and random:// sources, else the file or the
+    last path element of a pvc:// source."""
+    if spec.model.served_name:
+        return spec.model.served_name
+    scheme, _, rest = spec.model.source.partition("://")
+    if scheme == "pvc":
+        last = (spec.model.file or rest).rstrip("/").rsplit("/", 1)[-1]
+        return last.removesuffix(".gguf")
+    return rest
+
+
+def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[str], list[ModelMount]]:
+    scheme, _, rest = spec.model.source.partition("://")
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        mount = ModelMount(
+            volume_name="model", claim_name=claim, mount_path=f"{MODELS_DIR}/{claim}"
+        )
+        location = f"{mount.mount_path}/{path}"
+        if spec.model.file:
+            location = f"{location}/{spec.model.file}"
+        return location, [], [mount]
+    flags: list[str] = []
+    if spec.model.revision:
+        flags += ["--revision", spec.model.revision]
+    if scheme == "random":
+        # The repository only supplies the config (shape); weights are random.
+        flags += ["--load-format", "dummy"]
+    return rest, flags, []
+
+
+def _speculative_config(spec: InferenceServiceSpec) -> str | None:
+    speculative = spec.features.speculative
+    if speculative is None:
+        return None
+    config: dict[str, Any] = {
+        "method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+    }
+    if speculative.draft_model:
+        config["model"] = speculative.draft_model
+    if speculative.prompt_lookup_max is not None:
+        config["prompt_lookup_max"] = speculative.prompt_lookup_max
+    if speculative.prompt_lookup_min is not None:
+        config["prompt_lookup_min"] = speculative.prompt_lookup_min
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def engine_invocation(
+    spec: InferenceServiceSpec, engine: EngineInfo, runner: SelectedRunner, release_runners: int
+) -> EngineInvocation:
+    """The container's command, args and env (deterministic order)."""
+    location, model_flags, mounts = _model_location(spec)
+    args: list[str] = [location, "--served-model-name", served_name(spec)]
+    args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
+    args += model_flags
+    p = spec.parallelism
+    args += ["--tensor-parallel-size", str(p.tensor)]
+    if p.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(p.pipeline)]
+    if p.data > 1:
+        args += ["--data-parallel-size", str(p.data)]
+    if p.expert.enabled:
+        args.append("--enable-expert-parallel")
+    if p.expert.elastic:
+        args.append("--enable-elastic-ep")
+    if p.dual_batch_overlap:
+        args.append("--enable-dbo")
+    if p.sequence_parallelism:
+        args += [
+            "--compilation-config",
+            json.dumps({"pass_config": {"enable_sequence_parallelism": True}}, sort_keys=True),
+        ]
+    limits = spec.limits
+    if limits.max_model_len is not None:
+        args += ["--max-model-len", str(limits.max_model_len)]
+    if limits.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(limits.max_num_seqs)]
+    if limits.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(limits.max_num_batched_tokens)]
+    if limits.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", repr(limits.gpu_memory_utilization)]
+    args.append(
+        "--enable-prefix-caching" if spec.features.prefix_caching else "--no-enable-prefix-caching"
+    )
+    speculative = _speculative_config(spec)
+    if speculative is not None:
+        args += ["--speculative-config", speculative]
+    if spec.features.custom_logits_processors:
+        args += ["--logits-processors", *spec.features.custom_logits_processors]
+
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"}]
+    selection = engine.runner_selection
+    if selection.kind == "flag":
+        args += [selection.name, runner.name]
+    elif release_runners > 1:
+        # Only meaningful while the release still has a choice to make.
+        env.append({"name": selection.name, "value": selection.values[runner.name]})
+    args += list(spec.engine.extra_args)
+
+    # User variables override the operator's by name; server-side apply refuses duplicate keys.
+    by_name: dict[str, dict[str, Any]] = {entry["name"]: entry for entry in env}
+    for user in spec.pod.env:
+        by_name[user.name] = user.model_dump(by_alias=True, exclude_none=True)
+    return EngineInvocation(
+        command=list(engine.command), args=args, env=list(by_name.values()), model_mounts=mounts
+    )
