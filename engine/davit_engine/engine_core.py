@@ -1,0 +1,169 @@
+"""The engine core: scheduler + runner, one `step()` at a time. Tokens in, token deltas out.
+
+It knows nothing about text: the front end tokenizes, detokenizes and matches stop strings.
+`step()` only wires schedule → execute → update, as the loop of the engine-core process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.scheduler import Scheduler
+from davit_engine.loader import load_model
+from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.sampler import check_logits_processors
+from davit_engine.runner.select import create_runner, resolve_device, select_runner
+from davit_engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    ParamError,
+    RequestDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs to know about the served model (plain data, picklable)."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    runner: str
+    runner_reason: str
+    architecture: str
+    num_parameters: int
+
+
+class EngineCore:
+    """Loads the model, builds the runner and its KV cache, and runs the scheduler loop.
+
+    Raises ParamError at construction for a configuration that cannot work (naming the flag or
+    file). `add_request` raises ParamError for invalid requests and QueueFullError when the
+    waiting queue is full; an accepted request always ends with exactly one finished delta
+    (STOP/LENGTH from `step()`, or ABORT from the `step()` after `abort_requests`).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        device = resolve_device(config)
+        kind, reason = select_runner(config, device)
+        loaded = load_model(config, device)
+        self.runner: ModelRunner = create_runner(kind, config, loaded, device)
+        num_blocks = self.runner.determine_num_blocks()
+        capacity = num_blocks * config.block_size
+        model_max = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ParamError(
+                "--max-model-len",
+                f"{config.max_model_len} exceeds the model's {model_max} positions",
+            )
+        max_model_len = min(config.max_model_len or model_max, capacity)
+        if config.max_model_len is None:
+            logger.info(
+                "max_model_len=%d (model positions %d, KV capacity %d tokens)",
+                max_model_len,
+                model_max,
+                capacity,
+            )
+        self.runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, max_model_len)
+        self.model_info = ModelInfo(
+            served_model_name=config.model_name,
+            max_model_len=self.scheduler.max_model_len,
+            vocab_size=loaded.config.vocab_size,
+            eos_token_ids=loaded.config.eos_token_ids,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device=str(device),
+            runner=kind,
+            runner_reason=reason,
+            architecture=loaded.config.architecture,
+            num_parameters=loaded.config.num_parameters(),
+        )
+        self._aborted: list[RequestDelta] = []
+        logger.info(
+            "engine core ready: runner %s (%s), %d KV blocks, max_model_len %d",
+            kind,
+            reason,
+            num_blocks,
+            self.scheduler.max_model_len,
+        )
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue a tokenized request (ParamError / QueueFullError on refusal)."""
+        req.sampling.validate(self.config.max_logprobs)
+        if req.sampling.logits_processors:
+            if self.model_info.runner != "v1":
+                raise ParamError(
+                    "logits_processors", "custom logits processors need the engine's --runner v1"
+                )
+            check_logits_processors(req.sampling.logits_processors)
+        vocab = self.model_info.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad_stop = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise ParamError(
+                "stop_token_ids", f"token id {bad_stop} is outside the vocabulary [0, {vocab})"
+            )
+        if not req.eos_token_ids:
+            req = dataclasses.replace(req, eos_token_ids=self.model_info.eos_token_ids)
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, ids: Iterable[str]) -> None:
+        """Abort requests now (blocks freed); each known one gets an ABORT delta next step."""
+        for request_id in ids:
+            req = self.scheduler.get_request(request_id)
+            if req is None:
+                continue
+            num_prompt, num_cached = req.num_prompt_tokens, req.num_cached_tokens
+            if self.scheduler.abort(request_id):
+                self._aborted.append(
+                    RequestDelta(
+                        request_id=request_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ABORT,
+                        num_prompt_tokens=num_prompt,
+                        num_cached_tokens=num_cached,
+                    )
+                )
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduler step; returns the deltas it produced (aborts first)."""
+        deltas, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty and not batch.finished_ids and not batch.preempted_ids:
+            return deltas
+        # Runner V2 keeps per-request state: it must see finished/preempted ids even on a step
+        # that schedules nothing.
+        output = self.runner.execute(batch)
+        deltas.extend(self.scheduler.update_from_output(batch, output))
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,94 @@
+"""Runner selection: which runner serves a configuration on a device, and why.
+
+`auto` picks V2 on CUDA unless something needs V1; on the CPU only V1 exists. An explicit choice
+that cannot work stops at startup with a ParamError naming the flag or the feature.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+import torch
+
+from davit_engine.config import EngineConfig
+from davit_engine.loader import LoadedModel
+from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.sampler import registered_logits_processors
+from davit_engine.types import ParamError
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
+        raise ParamError("--device", f"must be auto, cpu or cuda[:N], got {config.device!r}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ParamError("--device", f"{config.device} was requested but no CUDA device is visible")
+    return torch.device(config.device)
+
+
+def _v2_available() -> bool:
+    """Whether this build ships runner V2 (imported only on CUDA, where it can run)."""
+    if importlib.util.find_spec("davit_engine.runner.v2") is None:
+        return False
+    try:
+        module = importlib.import_module("davit_engine.runner.v2")
+    except ImportError as exc:
+        logger.warning("runner V2 cannot be imported: %s", exc)
+        return False
+    return hasattr(module, "RunnerV2")
+
+
+def v1_only_features() -> list[str]:
+    """Features in use that only runner V1 implements."""
+    features = []
+    registered = registered_logits_processors()
+    if registered:
+        names = ", ".join(registered)
+        features.append(f"custom logits processors ({names})")
+    return features
+
+
+def select_runner(config: EngineConfig, device: torch.device) -> tuple[str, str]:
+    """(runner kind, human-readable reason) for `config.runner` on `device`."""
+    v1_only = v1_only_features()
+    if config.runner == "v1":
+        return "v1", "requested with --runner v1"
+    if config.runner == "v2":
+        if device.type != "cuda":
+            raise ParamError(
+                "--runner", f"runner V2 needs a CUDA device; this engine runs on {device.type}"
+            )
+        if v1_only:
+            raise ParamError(
+                "--runner",
+                f"runner V2 does not support {'; '.join(v1_only)}: use --runner v1 or auto",
+            )
+        if not _v2_available():
+            raise ParamError("--runner", "runner V2 is not included in this build; use --runner v1")
+        return "v2", "requested with --runner v2"
+    if config.runner != "auto":
+        raise ParamError("--runner", f"must be auto, v1 or v2, got {config.runner!r}")
+    if device.type != "cuda":
+        return "v1", "runner V2 needs a CUDA device"
+    if v1_only:
+        return "v1", f"{'; '.join(v1_only)} need runner V1"
+    if not _v2_available():
+        return "v1", "runner V2 is not included in this build"
+    return "v2", "CUDA device available"
+
+
+def create_runner(
+    kind: str, config: EngineConfig, loaded: LoadedModel, device: torch.device
+) -> ModelRunner:
+    if kind == "v2":
+        runner_class = importlib.import_module("davit_engine.runner.v2").RunnerV2
+        runner: ModelRunner = runner_class(config, loaded, device)
+        return runner
+    from davit_engine.runner.v1 import RunnerV1
+
+    return RunnerV1(config, loaded, device)

@@ -1,0 +1,239 @@
+"""Runner V1: inputs prepared on the CPU each step, plain-torch paged attention, torch sampler.
+
+The simple, portable path: it runs on the CPU and on CUDA, and it runs features runner V2
+refuses (custom logits processors). Each `execute()` builds the flat token batch from the
+scheduler's plain data, runs one forward over all scheduled tokens (prefill chunks and decodes
+mixed), computes logits only for rows that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
+from davit_engine.loader import LoadedModel
+from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.sampler import Sampler
+from davit_engine.types import ParamError, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+# KV budget on the CPU when nothing is specified: capped so a default start never takes the
+# machine's memory, and never more than max_num_seqs full-length sequences need.
+CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+class RunnerV1(ModelRunner):
+    name = "v1"
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.device = device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.backend = TorchPagedAttention()
+        self.sampler = Sampler(loaded.config.eos_token_ids)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        # Tokens run through the model so far (prefix-cache hits are not among them).
+        self.num_computed_tokens_total = 0
+
+    # ---- KV cache sizing ----------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers (keys and values)."""
+        c = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+
+    def determine_num_blocks(self) -> int:
+        config = self.config
+        if config.num_gpu_blocks is not None:
+            return config.num_gpu_blocks
+        if config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
+            if num_blocks < 1:
+                raise ParamError(
+                    "--kv-cache-memory-bytes",
+                    f"{config.kv_cache_memory_bytes} bytes hold no KV block "
+                    f"(one block takes {self.block_bytes} bytes)",
+                )
+            return num_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks()
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        blocks_per_seq = -(-max_len // self.block_size)
+        wanted = config.max_num_seqs * blocks_per_seq
+        return max(1, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes))
+
+    def _profile_cuda_blocks(self) -> int:
+        """Free memory after a dummy forward at max_num_batched_tokens, times the utilization."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dummy_forward(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free  # weights, other processes, CUDA context
+        available = total * self.config.gpu_memory_utilization - used_elsewhere - activation_peak
+        num_blocks = int(available // self.block_bytes)
+        if num_blocks < 1:
+            raise ParamError(
+                "--gpu-memory-utilization",
+                f"no memory left for the KV cache at {self.config.gpu_memory_utilization} "
+                f"(weights and activations use {(used_elsewhere + activation_peak) / 2**30:.1f} GiB "
+                f"of {total / 2**30:.1f} GiB)",
+            )
+        return num_blocks
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        c = self.model_config
+        num_tokens = max(1, min(num_tokens, c.max_position_embeddings))
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(c.num_layers)
+        ]
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_config
+        self.num_blocks = num_blocks
+        # kv_caches[layer]: [2, num_blocks, block_size, Hkv, D]
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(c.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / 2**30,
+            self.dtype,
+        )
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        scheduled = batch.scheduled
+        if not scheduled:
+            return RunnerOutput(sampled_token_ids=[])
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must run before execute()")
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(scheduled)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            sampled: list[int | None] = [None] * len(scheduled)
+            logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
+            if sample_rows:
+                # Only the last token of each sampling request needs logits: [S, V].
+                last = meta.query_start_loc[1:].to(torch.int64) - 1
+                rows = torch.tensor(sample_rows, device=self.device)
+                logits = self.model.compute_logits(hidden[last[rows]])
+                tokens, row_logprobs = self.sampler.sample(
+                    logits, [scheduled[i] for i in sample_rows]
+                )
+                for j, i in enumerate(sample_rows):
+                    sampled[i] = tokens[j]
+                    logprobs[i] = row_logprobs[j]
+        self.num_computed_tokens_total += int(input_ids.shape[0])
+        wants_logprobs = any(lp is not None for lp in logprobs)
+        return RunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs if wants_logprobs else None
+        )
+
+    def _prepare_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        block_size = self.block_size
+        num_reqs = len(scheduled)
+        query_lens = np.fromiter((r.num_new_tokens for r in scheduled), np.int64, num_reqs)
+        starts = np.fromiter((r.num_computed_tokens for r in scheduled), np.int64, num_reqs)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_blocks = max(len(r.block_ids) for r in scheduled)
+        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        for i, r in enumerate(scheduled):
+            block_tables[i, : len(r.block_ids)] = r.block_ids
+            start = r.num_computed_tokens
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = r.token_ids[
+                start : start + r.num_new_tokens
+            ]
+        # positions [T]: each token's absolute position within its request.
+        request_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = (
+            np.arange(num_tokens) - query_start_loc[request_of_token] + starts[request_of_token]
+        )
+        slot_mapping = (
+            block_tables[request_of_token, positions // block_size] * block_size
+            + positions % block_size
+        )
+        sample_rows = [i for i, r in enumerate(scheduled) if r.needs_sample]
+        device = self.device
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_tables=to_device(block_tables, torch.int32),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            backend=self.backend,
+        )
+        return (
+            to_device(input_ids, torch.int64),
+            to_device(positions, torch.int64),
+            meta,
+            sample_rows,
+        )
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
