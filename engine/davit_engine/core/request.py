@@ -98,11 +98,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def max_num_tokens(self) -> int:
-        """Tokens this request can reach before max_tokens stops it (max_model_len aside)."""
-        return self.num_prompt_tokens + self.sampling.max_tokens
-
     def append_output_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Append a sampled token and return why the request must stop now, if it must.
 
