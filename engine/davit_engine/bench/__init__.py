@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput (`davit bench throughput`) and online serving (`... serve`)."""
