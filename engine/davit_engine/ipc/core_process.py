@@ -1,0 +1,203 @@
+"""The engine-core process: owns the EngineCore and runs its busy loop.
+
+Loop contract: while any request is unfinished, drain the input queue without blocking and run
+one `step()`; when idle, block on the input queue. Admission answers (`Admitted`/`Rejected`) are
+sent before the next step so a waiting HTTP handler learns its fate within one step. A failure
+inside `step()` is unrecoverable: the process sends `CoreFailed` and exits with status 1, and the
+client fails every waiting request instead of letting it hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import importlib
+import logging
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from davit_engine.config import EngineConfig
+from davit_engine.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    Admitted,
+    CoreFailed,
+    Deltas,
+    GetStats,
+    InputMessage,
+    OutputMessage,
+    Ready,
+    Rejected,
+    Shutdown,
+    StatsReply,
+)
+from davit_engine.types import EngineRequest, EngineStats, ParamError, RequestDelta
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORE_FACTORY = "davit_engine.engine_core:EngineCore"
+
+# How often an idle core wakes up to check that its parent is still alive.
+_IDLE_POLL_S = 1.0
+
+
+class EngineCoreLike(Protocol):
+    """The part of `davit_engine.engine_core.EngineCore` this loop drives."""
+
+    @property
+    def model_info(self) -> Any: ...
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...
+
+
+def resolve_factory(path: str) -> Callable[[EngineConfig], EngineCoreLike]:
+    """Import `module:attribute` (a class or function taking an EngineConfig)."""
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"core factory must look like 'module:attribute', got {path!r}")
+    factory: Callable[[EngineConfig], EngineCoreLike] = getattr(
+        importlib.import_module(module_name), attr
+    )
+    return factory
+
+
+def to_plain(value: Any) -> Any:
+    """Dataclasses, enums and tuples to dicts, values and lists, for JSON and pickling."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    return value
+
+
+def admission_rejection(request_id: str, exc: Exception) -> Rejected | None:
+    """Translate an admission error from `EngineCore.add_request`; None if it is not one."""
+    if isinstance(exc, ParamError):
+        return Rejected(request_id, "param", exc.message, param=exc.param)
+    # Imported here: the scheduler module is the core's, and the API process never needs it.
+    from davit_engine.core.scheduler import QueueFullError
+
+    if isinstance(exc, QueueFullError):
+        retry_after = exc.retry_after
+        return Rejected(
+            request_id,
+            "queue_full",
+            str(exc),
+            retry_after_s=float(retry_after),
+        )
+    return None
+
+
+class CoreLoop:
+    """Drives one EngineCore from an input queue to an output connection."""
+
+    def __init__(
+        self,
+        core: EngineCoreLike,
+        inputs: Any,  # multiprocessing.Queue[InputMessage]; its generic type is not runtime-safe
+        outputs: Connection,
+        parent_pid: int,
+    ) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.running = True
+
+    def send(self, message: OutputMessage) -> None:
+        self.outputs.send(message)
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            for message in self._receive(block=not busy):
+                self._handle(message)
+                if not self.running:
+                    return
+            if self.core.has_unfinished_requests():
+                deltas = self.core.step()
+                if deltas:
+                    self.send(Deltas(deltas))
+
+    def _receive(self, block: bool) -> list[InputMessage]:
+        messages: list[InputMessage] = []
+        if block:
+            try:
+                messages.append(self.inputs.get(timeout=_IDLE_POLL_S))
+            except queue.Empty:
+                if os.getppid() != self.parent_pid:
+                    logger.warning("engine core: parent process is gone, exiting")
+                    self.running = False
+                return messages
+        while True:
+            try:
+                messages.append(self.inputs.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _handle(self, message: InputMessage) -> None:
+        if isinstance(message, AddRequest):
+            request_id = message.request.request_id
+            try:
+                self.core.add_request(message.request)
+            except Exception as exc:  # answered to the waiting handler, never swallowed
+                rejection = admission_rejection(request_id, exc)
+                if rejection is None:
+                    logger.exception("engine core: add_request(%s) failed", request_id)
+                    rejection = Rejected(request_id, "internal", f"{type(exc).__name__}: {exc}")
+                self.send(rejection)
+            else:
+                self.send(Admitted(request_id))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, GetStats):
+            self.send(StatsReply(message.token, self.core.stats()))
+        elif isinstance(message, Shutdown):
+            self.running = False
+
+
+def run_engine_core(
+    config: EngineConfig,
+    factory_path: str,
+    inputs: Any,
+    outputs: Connection,
+    parent_pid: int,
+) -> None:
+    """Child-process entry point (spawn): build the core, report `Ready`, run the loop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
+    try:
+        core = resolve_factory(factory_path)(config)
+    except Exception as exc:  # reported to the parent, then the process exits non-zero
+        outputs.send(CoreFailed(f"engine core failed to start: {exc!r}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from exc
+    loop = CoreLoop(core, inputs, outputs, parent_pid)
+    try:
+        loop.send(Ready(to_plain(core.model_info)))
+        loop.run()
+    except Exception as exc:
+        logger.exception("engine core loop failed")
+        # If the parent is gone there is nobody left to tell.
+        with contextlib.suppress(OSError):
+            outputs.send(CoreFailed(f"engine core failed: {exc!r}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from exc
+    finally:
+        core.shutdown()

@@ -1,0 +1,90 @@
+"""The FastAPI app factory. Nothing loads at import; the model loads in the lifespan.
+
+Startup contract: the lifespan starts loading (engine-core process and tokenizer) in the
+background and returns at once, so `/health` and `/ready` answer while the model loads (`/ready`
+is 503 until it is done). A load failure is reported through `on_fatal` (the CLI exits non-zero)
+and leaves `/health` at 503. Shutdown stops the engine-core process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+
+import davit_engine
+from davit_engine.config import EngineConfig
+from davit_engine.ipc.client import AsyncEngineClient
+from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY
+from davit_engine.server.errors import install_error_handlers
+from davit_engine.server.routes import chat, completions, ops
+from davit_engine.server.state import ServerSettings, ServerState
+from davit_engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TokenizerLoader = Callable[[EngineConfig], Tokenizer]
+
+
+def _default_tokenizer_loader(config: EngineConfig) -> Tokenizer:
+    from davit_engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(config)
+
+
+def create_app(
+    config: EngineConfig,
+    settings: ServerSettings | None = None,
+    *,
+    core_factory: str = DEFAULT_CORE_FACTORY,
+    tokenizer_loader: TokenizerLoader = _default_tokenizer_loader,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """Build the app for `config`.
+
+    `core_factory` ("module:attribute") builds the engine core inside the core process; tests
+    pass a fake one. `on_fatal(reason)` is called if the model fails to load.
+    """
+    settings = settings or ServerSettings()
+    client = AsyncEngineClient(config, core_factory)
+    state = ServerState(config, settings, client, tokenizer=None)
+
+    async def load() -> None:
+        try:
+            tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_loader, config))
+            await client.start(settings.startup_timeout_s)
+            state.set_tokenizer(await tokenizer_task)
+        except Exception as exc:  # reported on /health and to on_fatal, never swallowed
+            logger.exception("the model failed to load")
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            if on_fatal is not None:
+                on_fatal(state.load_error)
+            return
+        state.loaded = True
+        logger.info(
+            "serving %s (max_model_len %s)",
+            state.model_name,
+            client.model_info.get("max_model_len"),
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(load(), name="davit-load-model")
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            await client.shutdown()
+
+    app = FastAPI(title="Davit engine", version=davit_engine.__version__, lifespan=lifespan)
+    app.state.davit = state
+    install_error_handlers(app)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(ops.router)
+    return app

@@ -1,0 +1,215 @@
+"""`davit serve MODEL [flags]`: parse upstream-named flags, build the app, run uvicorn.
+
+Exit status: 0 after a normal shutdown or a completed drain, 1 when the model fails to load,
+2 for bad flags (argparse's convention; the message names the flag).
+
+SIGTERM drains: `/ready` turns 503, new requests get 503, in-flight requests finish (bounded by
+`--drain-timeout`), then the server exits 0. A second SIGTERM, or SIGINT, stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from davit_engine.config import EngineConfig
+from davit_engine.server.app import create_app
+from davit_engine.server.state import ServerSettings, ServerState
+from davit_engine.types import ParamError
+
+logger = logging.getLogger("davit.serve")
+
+# Seconds uvicorn gives connections still open after the drain (or after SIGINT) before it
+# cancels them.
+_SHUTDOWN_GRACE_S = 3
+
+
+def _int_at_least(minimum: int) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse  # type: ignore[return-value]  # argparse only needs a callable
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="davit serve",
+        description="Serve MODEL over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", help="a .gguf file, a Hugging Face directory, or random:<shape>")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind")
+    server.add_argument("--port", type=_port, default=8000)
+    server.add_argument("--served-model-name", default=None, help="model name clients use")
+    server.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer source (default: the model)")
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-model-len", type=_int_at_least(1), default=None)
+    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    engine.add_argument("--max-num-seqs", type=_int_at_least(1), default=256)
+    engine.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048)
+    engine.add_argument(
+        "--max-queue-len",
+        type=_int_at_least(0),
+        default=None,
+        help="requests allowed to wait beyond free running slots; more get HTTP 429",
+    )
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    engine.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    engine.add_argument("--num-gpu-blocks-override", type=_int_at_least(1), default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--runner", default="auto", choices=["auto", "v1", "v2"])
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--max-logprobs", type=_int_at_least(0), default=20)
+    return p
+
+
+def parse_args(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str]:
+    """Flags to (engine config, server settings, log level); bad flags exit 2 via argparse."""
+    parser = build_parser()
+    args = parser.parse_args(rest)
+    config = EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_len=args.max_queue_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        num_gpu_blocks=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        runner=args.runner,
+        enforce_eager=args.enforce_eager,
+        max_logprobs=args.max_logprobs,
+    )
+    try:
+        config.validate()
+    except ParamError as exc:
+        parser.error(f"argument {exc.param}: {exc.message}")
+    settings = ServerSettings(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
+    return config, settings, args.log_level
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM turned into a drain instead of an immediate shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)  # type: ignore[arg-type]
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+            # Not recorded in uvicorn's captured signals: uvicorn would re-raise it at exit and
+            # the process would die by SIGTERM instead of exiting 0 after the drain.
+            self.state.begin_drain()
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        if sig == signal.SIGTERM:
+            self.should_exit = True  # second SIGTERM (or before startup): stop now
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("SIGTERM: draining for up to %.0f s", self.state.settings.drain_timeout_s)
+        drained = await self.state.wait_drained(self.state.settings.drain_timeout_s)
+        logger.info("drain %s; shutting down", "complete" if drained else "timed out")
+        self.should_exit = True
+
+
+def serve_main(rest: list[str]) -> int:
+    """Entry point of `davit serve`; returns the process exit status."""
+    config, settings, log_level = parse_args(rest)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    exit_code = 0
+    server: DrainingServer | None = None
+
+    def on_fatal(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("cannot serve %s: %s", config.model, reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, settings, on_fatal=on_fatal)
+    uv_config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
+    )
+    server = DrainingServer(uv_config, app.state.davit)
+    server.run()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""One admitted generation request, from admission to its last piece, shared by both routes.
+
+Lifecycle contract: `admit()` either raises an OpenAIError (nothing is left in the core) or
+returns a `Generation` that the caller must `close()` exactly when it stops caring (normally
+after the last piece; also on client disconnect). `close()` aborts the request in the core if it
+had not finished, which frees its KV blocks, and records the request's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from davit_engine.ipc.client import AdmissionError, EngineDeadError, RequestStream
+from davit_engine.server.errors import OpenAIError
+from davit_engine.server.output import OutputPiece, RequestOutput
+from davit_engine.types import EngineRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from davit_engine.server.state import ServerState
+
+
+class Generation:
+    """An admitted request: its deltas become `OutputPiece`s through `pieces()`."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        stream: RequestStream,
+        output: RequestOutput,
+        arrival: float,
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.stream = stream
+        self.output = output
+        self.arrival = arrival
+        self.created = int(time.time())
+        self._first_token_at: float | None = None
+        self._last_output_at: float | None = None
+        self._closed = False
+
+    async def pieces(self) -> AsyncIterator[OutputPiece]:
+        """Yield pieces until the request finishes. Raises OpenAIError(503) if the core dies."""
+        metrics = self.state.metrics
+        while not self.output.finished:
+            try:
+                delta = await self.stream.next()
+            except EngineDeadError as exc:
+                raise OpenAIError(503, f"the engine stopped: {exc}") from exc
+            now = time.monotonic()
+            if delta.new_token_ids:
+                if self._first_token_at is None:
+                    self._first_token_at = now
+                    metrics.time_to_first_token.observe(now - self.arrival)
+                    metrics.prompt_tokens.inc(
+                        delta.num_prompt_tokens or self.output.num_prompt_tokens
+                    )
+                elif self._last_output_at is not None:
+                    metrics.inter_token_latency.observe(now - self._last_output_at)
+                self._last_output_at = now
+                metrics.generation_tokens.inc(len(delta.new_token_ids))
+            piece = self.output.process(delta)
+            if piece.stopped_by_string:
+                # The core would keep generating: only the front end knows about stop strings.
+                self.state.client.abort(self.request_id)
+            elif delta.finished:
+                self.state.client.release(self.request_id)
+            yield piece
+
+    def close(self) -> None:
+        """Abort the request if it is unfinished; record its metrics. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.state.end_request()
+        if not self.output.finished:
+            self.state.client.abort(self.request_id)
+            return
+        metrics = self.state.metrics
+        metrics.request_finished(self.output.finish_reason or "stop")
+        end = self._last_output_at or time.monotonic()
+        metrics.e2e_request_latency.observe(end - self.arrival)
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens)."""
+        out = self.output
+        return out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
+
+
+async def admit(
+    state: ServerState, prompt_token_ids: list[int], sampling: SamplingParams, prefix: str
+) -> Generation:
+    """Send a tokenized, validated request to the core and wait for its admission answer."""
+    state.check_accepting()
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    arrival = time.monotonic()
+    output = RequestOutput(state.tokenizer, prompt_token_ids, sampling)
+    request = EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        arrival_time=time.time(),
+        eos_token_ids=state.eos_token_ids,
+    )
+    state.begin_request()
+    try:
+        stream = await state.client.add_request(request)
+    except AdmissionError as exc:
+        state.end_request()
+        rejection = exc.rejection
+        if rejection.kind == "queue_full":
+            retry_after = max(1, math.ceil(rejection.retry_after_s or 1.0))
+            raise OpenAIError(
+                429, rejection.message, None, {"Retry-After": str(retry_after)}
+            ) from exc
+        if rejection.kind == "param":
+            raise OpenAIError(400, rejection.message, rejection.param) from exc
+        raise OpenAIError(500, rejection.message) from exc
+    except EngineDeadError as exc:
+        state.end_request()
+        raise OpenAIError(503, f"the engine is not running: {exc}") from exc
+    except BaseException:
+        state.end_request()
+        raise
+    return Generation(state, request_id, stream, output, arrival)

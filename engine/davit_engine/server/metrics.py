@@ -1,0 +1,122 @@
+"""Prometheus metrics, named as the upstream engine names them so its dashboards work unchanged.
+
+Request-level series (token counts, latencies, finished requests) are observed here in the API
+process, where requests start and end. Engine-level series (running/waiting requests, KV-cache
+usage, prefix-cache counters, preemptions) are read from the core's `EngineStats` at scrape time.
+Each app gets its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from davit_engine.types import EngineStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    """Exposes the latest `EngineStats` the server fetched from the core."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats or EngineStats()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", stats.num_running
+        )
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting)
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0-1).",
+            stats.kv_cache_usage,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits,
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Requests preempted for lack of KV blocks.",
+            stats.num_preemptions,
+        )
+
+
+class ServerMetrics:
+    """The app's registry and the series the request handlers observe."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineStatsCollector(model_name)
+        self.registry.register(self._engine)
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefilled prompt tokens.", labels, registry=self.registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", labels, registry=self.registry
+        ).labels(model_name)
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two consecutive outputs of one request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last output of a finished request.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        self._engine.stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""HTTP routers: OpenAI chat and completions, and the operational endpoints."""

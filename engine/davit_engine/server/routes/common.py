@@ -1,0 +1,99 @@
+"""Helpers the generation routers share: state lookup, SSE framing, usage, collection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from davit_engine.server.errors import OpenAIError
+from davit_engine.server.generation import Generation
+from davit_engine.server.protocol import PromptTokensDetails, Usage, error_body
+from davit_engine.server.state import ServerState
+
+T = TypeVar("T")
+
+DONE = format_sse_event(data_str="[DONE]")
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.davit
+    return state
+
+
+def usage_of(generation: Generation) -> Usage:
+    prompt, completion, cached = generation.usage_counts()
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def sse_event(model: BaseModel) -> bytes:
+    return format_sse_event(data_str=model.model_dump_json())
+
+
+def sse_error(error: OpenAIError) -> bytes:
+    body = error_body(error.message, "APIError", error.param, error.status_code)
+    return format_sse_event(data_str=json.dumps(body))
+
+
+def event_stream(generation: Generation, events: AsyncIterator[bytes]) -> EventSourceResponse:
+    """Stream already-framed SSE events; the request is closed (aborted if unfinished) after.
+
+    One route answers both JSON and SSE depending on the body's `stream`, and admission errors
+    must keep their status code, so this is a plain route returning FastAPI's
+    EventSourceResponse with FastAPI's own event framing, not a generator route. The
+    background task runs after the stream ends and also when starlette cancels the stream on a
+    client disconnect, even if it was cancelled before its first event.
+    """
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except OpenAIError as exc:
+            yield sse_error(exc)
+        finally:
+            generation.close()
+        yield DONE
+
+    response = EventSourceResponse(body(), background=BackgroundTask(generation.close))
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"
+    return response
+
+
+async def collect_unless_disconnected(
+    request: Request, generation: Generation, collect: Callable[[], Awaitable[T]]
+) -> T | None:
+    """Run `collect()` unless the client leaves first (then abort and return None)."""
+
+    async def wait_for_disconnect() -> None:
+        # The body has been read already, so the next ASGI message can only be the disconnect,
+        # which the server delivers as soon as the socket closes.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        generation.close()
