@@ -65,11 +65,11 @@ def run_operator(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     import kopf
+
+    # kopf installs the log handler; the children's HTTP client logs every request at INFO.
+    kopf.configure(verbose=args.verbose)
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
 
     from davit_operator.catalog import CatalogError, default_catalog
     from davit_operator.handlers import OperatorOptions, register
@@ -91,7 +91,6 @@ def run_operator(argv: list[str]) -> int:
     register(registry, options)
     if args.metrics_port:
         serve_metrics(args.metrics_port)
-    kopf.configure(verbose=args.verbose)
     asyncio.run(
         kopf.operator(
             registry=registry,

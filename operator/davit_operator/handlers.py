@@ -35,7 +35,6 @@ from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
 from davit_operator.status import compute_status, status_patch
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
-WATCHED_STATES = ("Ready", "Stalled")
 
 
 @dataclass(frozen=True)
@@ -91,23 +90,31 @@ def _spec_error(exc: ValidationError) -> PlanError:
 
 
 def _post_events(body: kopf.Body, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """One event per state change: Ready's status or reason, Stalled's status."""
     before = {c.get("type"): c for c in old.get("conditions") or []}
-    for cond in new.get("conditions") or []:
-        kind = cond["type"]
-        if kind not in WATCHED_STATES:
-            continue
-        prior = before.get(kind)
-        if prior and (prior.get("status"), prior.get("reason")) == (cond["status"], cond["reason"]):
-            continue
-        if kind == "Stalled" and cond["status"] != "True" and not prior:
-            continue
-        warning = (kind == "Stalled") == (cond["status"] == "True")
-        message = cond["message"] or f"{kind} is {cond['status']}"
+    after = {c["type"]: c for c in new.get("conditions") or []}
+    ready, stalled = after.get("Ready"), after.get("Stalled")
+    prior_ready, prior_stalled = before.get("Ready"), before.get("Stalled")
+    if stalled and stalled["status"] == "True":
+        if (
+            not prior_stalled
+            or prior_stalled.get("status") != "True"
+            or (prior_stalled.get("reason") != stalled["reason"])
+        ):
+            kopf.event(body, type="Warning", reason=stalled["reason"], message=stalled["message"])
+        return
+    if prior_stalled and prior_stalled.get("status") == "True":
+        kopf.event(body, type="Normal", reason="Recovered", message="no longer stalled")
+    if ready and (
+        not prior_ready
+        or (prior_ready.get("status"), prior_ready.get("reason"))
+        != (ready["status"], ready["reason"])
+    ):
         kopf.event(
             body,
-            type="Warning" if warning and kind == "Stalled" else "Normal",
-            reason=cond["reason"],
-            message=f"{kind}={cond['status']}: {message}",
+            type="Normal",
+            reason=ready["reason"],
+            message=f"Ready={ready['status']}: {ready['message']}",
         )
 
 
@@ -252,6 +259,12 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             kube=KubeClient(load_credentials(options.kubeconfig)),
             locks={},
         )
+
+    @kopf.on.login(registry=registry, id="login")
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A private registry gets none of kopf's default login handlers; use the same
+        # kubeconfig / in-cluster discovery as the children's client.
+        return kopf.login_via_client(**kwargs)
 
     @kopf.on.cleanup(registry=registry, id="close")
     async def close(memo: kopf.Memo, **_: Any) -> None:

@@ -128,7 +128,11 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "serving.davit.dev/v1alpha1"},
             "kind": {"type": "string", "description": "InferenceService"},
-            "metadata": {"type": "object"},
+            # Only name restrictions are allowed here; the bound also caps the CEL rule's cost.
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 63}},
+            },
             "spec": spec_schema,
             "status": status_schema,
         },

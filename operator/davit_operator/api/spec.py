@@ -64,6 +64,13 @@ def _cel(rule: str, message: str, field_path: str | None = None, **extra: str) -
     return entry
 
 
+def _object_default(model: type[BaseModel]) -> dict[str, Any]:
+    """The CRD default of an optional object field: the model's defaults, spelled out, so the
+    API server's validation of the default itself sees every field the CEL rules read."""
+    dumped = model().model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {k: v for k, v in dumped.items() if v != [] and v != {}}
+
+
 class CrdModel(BaseModel):
     """Base for every schema model: camelCase on the wire, unknown fields refused."""
 
@@ -149,7 +156,7 @@ class EngineSpec(CrdModel):
                     ".image",
                 ),
                 _cel(
-                    "self.extraArgs.all(a, !(a.split('=')[0] in ["
+                    "!has(self.extraArgs) || self.extraArgs.all(a, !(a.split('=')[0] in ["
                     + ", ".join(f"'{flag}'" for flag in OWNED_FLAGS)
                     + "]))",
                     "engine.extraArgs must not set flags the operator derives from typed fields "
@@ -311,7 +318,7 @@ class ParallelismSpec(CrdModel):
     )
     expert: ExpertParallelSpec = Field(
         default_factory=ExpertParallelSpec,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(ExpertParallelSpec)},
         description="Expert parallelism for mixture-of-experts models.",
     )
 
@@ -453,11 +460,11 @@ class ResourcesSpec(CrdModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    "self.requests.all(k, !(k in ["
-                    + ", ".join(f"'{r}'" for r in ACCELERATOR_RESOURCES)
-                    + "])) && self.limits.all(k, !(k in ["
-                    + ", ".join(f"'{r}'" for r in ACCELERATOR_RESOURCES)
-                    + "]))",
+                    " && ".join(
+                        f"(!has(self.{section}) || !('{r}' in self.{section}))"
+                        for section in ("requests", "limits")
+                        for r in ACCELERATOR_RESOURCES
+                    ),
                     "pod.resources cannot request accelerators ("
                     + ", ".join(ACCELERATOR_RESOURCES)
                     + "); set accelerator.vendor and accelerator.count instead",
@@ -467,10 +474,12 @@ class ResourcesSpec(CrdModel):
     )
 
     requests: dict[str, Quantity] = Field(
-        default_factory=dict, description="Extra resource requests (cpu, memory, ...)."
+        default_factory=dict,
+        max_length=32,
+        description="Extra resource requests (cpu, memory, ...).",
     )
     limits: dict[str, Quantity] = Field(
-        default_factory=dict, description="Extra resource limits (cpu, memory, ...)."
+        default_factory=dict, max_length=32, description="Extra resource limits (cpu, memory, ...)."
     )
 
 
@@ -483,7 +492,7 @@ class PodSpecOverrides(CrdModel):
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(ResourcesSpec)},
         description=(
             "CPU/memory requests and limits. The accelerator resource itself comes from "
             "accelerator.vendor and count and cannot be set here."
@@ -513,14 +522,9 @@ class InferenceServiceSpec(CrdModel):
                     "!has(self.accelerator.count) || self.accelerator.vendor == 'cpu' || "
                     "self.accelerator.count == "
                     "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data",
-                    "accelerator.count must equal parallelism.tensor x pipeline x data",
+                    "accelerator.count must equal parallelism.tensor x pipeline x data (the GPUs one "
+                    "replica uses); omit accelerator.count to derive it",
                     ".accelerator.count",
-                    messageExpression=(
-                        "'accelerator.count (' + string(self.accelerator.count) + ') must equal "
-                        "parallelism.tensor x pipeline x data (' + string(self.parallelism.tensor"
-                        " * self.parallelism.pipeline * self.parallelism.data) + '); omit count to"
-                        " derive it'"
-                    ),
                 ),
                 _cel(
                     "self.accelerator.vendor != 'cpu' || (self.parallelism.tensor == 1 && "
@@ -535,14 +539,9 @@ class InferenceServiceSpec(CrdModel):
                     " || (self.accelerator.vendor == 'amd' && self.engine.variant == 'rocm')"
                     " || (self.accelerator.vendor == 'intel' && self.engine.variant == 'xpu')"
                     " || (self.accelerator.vendor == 'cpu' && self.engine.variant == 'cpu')",
-                    "engine.variant does not run on accelerator.vendor",
+                    "engine.variant does not run on accelerator.vendor (nvidia: cuda13.0 or cuda12.9, "
+                    "amd: rocm, intel: xpu, cpu: cpu); omit engine.variant to derive it",
                     ".engine.variant",
-                    messageExpression=(
-                        "'engine.variant ' + self.engine.variant + ' does not run on "
-                        "accelerator.vendor ' + self.accelerator.vendor + ' (nvidia: cuda13.0 or "
-                        "cuda12.9, amd: rocm, intel: xpu, cpu: cpu); omit engine.variant to "
-                        "derive it'"
-                    ),
                 ),
             ]
         }
@@ -553,22 +552,22 @@ class InferenceServiceSpec(CrdModel):
     accelerator: AcceleratorSpec = Field(description="Accelerator per replica.")
     parallelism: ParallelismSpec = Field(
         default_factory=ParallelismSpec,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(ParallelismSpec)},
         description="How one replica spreads over its accelerators.",
     )
     features: FeaturesSpec = Field(
         default_factory=FeaturesSpec,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(FeaturesSpec)},
         description="Optional engine features; some of them select runner V1.",
     )
     limits: LimitsSpec = Field(
         default_factory=LimitsSpec,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(LimitsSpec)},
         description="Memory and scheduling limits passed to the engine.",
     )
     replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods (replicas).")
     pod: PodSpecOverrides = Field(
         default_factory=PodSpecOverrides,
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": _object_default(PodSpecOverrides)},
         description="Pod-level overrides: node selector, tolerations, resources, env, account.",
     )
