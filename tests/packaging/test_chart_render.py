@@ -12,7 +12,8 @@ import yaml
 
 from .tools import CHART, KUBE_VERSION, REPO, Helm, Permission, find, only, permissions
 
-WORKLOAD = {"create", "get", "list", "watch", "update", "patch", "delete"}
+# Children are written by server-side apply (PATCH; create for new objects) and never PUT.
+WORKLOAD = {"create", "get", "list", "watch", "patch", "delete"}
 READ = {"get", "list", "watch"}
 
 
@@ -34,9 +35,7 @@ NAMESPACED: set[Permission] = (
 CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(
     "apiextensions.k8s.io", "customresourcedefinitions", READ
 )
-LEADER_ELECTION: set[Permission] = triples(
-    "coordination.k8s.io", "leases", {"get", "create", "update", "patch"}
-)
+PEERING: set[Permission] = triples("kopf.dev", "clusterkopfpeerings", READ | {"patch"})
 
 
 def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,9 +44,7 @@ def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return container
 
 
-@pytest.mark.parametrize(
-    "mode", [[], ["watchNamespace=team-a"], ["replicaCount=1", "leaderElection.enabled=false"]]
-)
+@pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"], ["leaderElection.enabled=false"]])
 def test_helm_lint_strict(helm: Helm, mode: list[str]) -> None:
     result = helm.run(
         "lint",
@@ -72,10 +69,9 @@ def test_chart_versions_match_the_project() -> None:
 
 def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
     objects = helm.template()
-    # The only Role in cluster-wide mode is the leader election one.
-    assert [r["metadata"]["name"] for r in find(objects, "Role")] == ["davit-leader-election"]
+    assert find(objects, "Role") == []
     cluster_role = only(objects, "ClusterRole", "davit")
-    assert permissions(cluster_role["rules"]) == NAMESPACED | CLUSTER_READS
+    assert permissions(cluster_role["rules"]) == NAMESPACED | CLUSTER_READS | PEERING
     binding = only(objects, "ClusterRoleBinding", "davit")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -93,8 +89,8 @@ def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
 def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -> None:
     objects = helm.template("watchNamespace=team-a")
     cluster_role = only(objects, "ClusterRole", "davit")
-    # Only cluster-scoped reads stay cluster-wide: nodes and CRDs cannot be granted by a Role.
-    assert permissions(cluster_role["rules"]) == CLUSTER_READS
+    # Only cluster-scoped rights stay cluster-wide: a Role cannot grant nodes, CRDs or peerings.
+    assert permissions(cluster_role["rules"]) == CLUSTER_READS | PEERING
     roles = {o["metadata"]["namespace"]: o for o in find(objects, "Role")}
     assert permissions(roles["team-a"]["rules"]) == NAMESPACED
     (binding,) = [b for b in find(objects, "RoleBinding") if b["metadata"]["namespace"] == "team-a"]
@@ -108,27 +104,35 @@ def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -
 
 
 @pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"]])
-def test_leader_election_rights_stay_in_the_release_namespace(helm: Helm, mode: list[str]) -> None:
-    objects = helm.template(*mode)
-    (role,) = [r for r in find(objects, "Role") if r["metadata"]["name"] == "davit-leader-election"]
-    assert role["metadata"]["namespace"] == "davit-system"
-    assert permissions(role["rules"]) == LEADER_ELECTION
-    (binding,) = [
-        b for b in find(objects, "RoleBinding") if b["metadata"]["name"] == "davit-leader-election"
+def test_peering_rights_cover_only_the_release_peering_object(helm: Helm, mode: list[str]) -> None:
+    objects = helm.template(*mode, release="prod")
+    peering = only(objects, "ClusterKopfPeering")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert peering["metadata"]["name"] == "prod-davit"
+    rules = [
+        r
+        for r in only(objects, "ClusterRole")["rules"]
+        if r["resources"] == ["clusterkopfpeerings"]
     ]
-    assert binding["metadata"]["namespace"] == "davit-system"
-    assert binding["roleRef"]["name"] == "davit-leader-election"
+    by_verbs = {tuple(sorted(r["verbs"])): r for r in rules}
+    # Writes are limited to the release's own object; the kind is only listed and watched.
+    assert by_verbs[("get", "patch")]["resourceNames"] == ["prod-davit"]
+    assert "resourceNames" not in by_verbs[("list", "watch")]
+    args = operator_container(objects)["args"]
+    assert "--peering=prod-davit" in args
 
 
-def test_no_leader_election_rights_without_leader_election(helm: Helm) -> None:
-    objects = helm.template("replicaCount=1", "leaderElection.enabled=false")
+def test_no_peering_without_leader_election(helm: Helm) -> None:
+    objects = helm.template("leaderElection.enabled=false")
     rules = [
         rule for o in find(objects, "Role") + find(objects, "ClusterRole") for rule in o["rules"]
     ]
-    assert not {p for p in permissions(rules) if p[1] == "leases"}
-    assert only(objects, "Deployment")["spec"]["replicas"] == 1
-    # One replica: a disruption budget would block node drains forever.
-    assert find(objects, "PodDisruptionBudget") == []
+    assert not {p for p in permissions(rules) if p[0] == "kopf.dev"}
+    assert find(objects, "ClusterKopfPeering") == []
+    deployment = only(objects, "Deployment")
+    assert not any(a.startswith("--peering") for a in operator_container(objects)["args"])
+    # Without peering an update must not run two operators side by side.
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
 
 
 @pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"]])
@@ -180,23 +184,25 @@ def test_probes_hit_the_liveness_endpoint_port(helm: Helm) -> None:
         http = container[probe]["httpGet"]
         assert http["port"] in ("health", 9440)
         assert http["path"] == "/healthz"
-    assert "--health-port=9440" in container["args"]
+    # kopf serves its liveness endpoint where --liveness says; the probes must call the same.
+    assert "--liveness=http://0.0.0.0:9440/healthz" in container["args"]
 
 
 def test_replicas_and_leader_election(helm: Helm) -> None:
     objects = helm.template()
     deployment = only(objects, "Deployment")
-    assert deployment["spec"]["replicas"] >= 2
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert deployment["spec"]["replicas"] == 1
+    # The new pod starts before the old one stops; peering keeps only one of them active.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     args = operator_container(objects)["args"]
-    assert "--leader-election" in args
-    assert "--leader-election-namespace=davit-system" in args
-    pdb = only(objects, "PodDisruptionBudget")
-    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert "--peering=davit" in args
+    assert "--drift-interval=30" in args
+    assert "--verbose" not in args
+    assert "--verbose" in operator_container(helm.template("verbose=true"))["args"]
 
 
 def test_image_defaults_to_app_version_and_pins_a_digest(helm: Helm) -> None:
-    assert operator_container(helm.template())["image"] == "davit/operator:0.1.0"
+    assert operator_container(helm.template())["image"] == "ghcr.io/davit-dev/davit-operator:0.1.0"
     digest = "sha256:" + "ab" * 32
     image = operator_container(
         helm.template("image.repository=registry.test/davit/operator", f"image.digest={digest}")
@@ -242,7 +248,12 @@ def test_service_monitor_without_the_service_fails_clearly(helm: Helm) -> None:
 
 def test_every_namespaced_object_lands_in_its_namespace(helm: Helm) -> None:
     objects = helm.template("watchNamespace=team-a", namespace="ops")
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    cluster_scoped = {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "ClusterKopfPeering",
+    }
     for obj in objects:
         if obj["kind"] in cluster_scoped:
             assert "namespace" not in obj["metadata"]
@@ -268,7 +279,10 @@ def test_extra_args_and_env_reach_the_container(helm: Helm, tmp_path: Path) -> N
 
 def test_include_crds_renders_the_inference_service_crd(helm: Helm) -> None:
     crds = find(helm.template(include_crds=True), "CustomResourceDefinition")
-    assert [c["metadata"]["name"] for c in crds] == ["inferenceservices.serving.davit.dev"]
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "clusterkopfpeerings.kopf.dev",
+        "inferenceservices.serving.davit.dev",
+    ]
 
 
 def test_values_schema_is_valid_json_with_strict_top_level() -> None:

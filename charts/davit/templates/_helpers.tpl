@@ -51,7 +51,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* Permissions the operator needs where InferenceServices live: one list, rendered into a
 ClusterRole (cluster-wide mode) or a Role in the watched namespace. Only the verbs the operator
-uses: server-side apply is a PATCH, adoption and garbage collection need get/list/watch/delete. */}}
+uses: children are written by server-side apply (PATCH, which needs create to make a new object),
+read through kopf indexes (list/watch) and removed by DELETE; nothing is ever PUT (update).
+Jobs are for the memory-profiling runs; pods are read for rollout progress. */}}
 {{- define "davit.namespacedRules" -}}
 - apiGroups: ["serving.davit.dev"]
   resources: ["inferenceservices"]
@@ -61,16 +63,16 @@ uses: server-side apply is a PATCH, adoption and garbage collection need get/lis
   verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
@@ -79,8 +81,10 @@ uses: server-side apply is a PATCH, adoption and garbage collection need get/lis
   verbs: ["create", "patch"]
 {{- end -}}
 
-{{/* Cluster-scoped reads, needed in both modes: nodes (accelerator products and capacity) and
-CustomResourceDefinitions (kopf discovers the resources it serves through them). */}}
+{{/* Cluster-scoped rights, needed in both modes: node reads (accelerator products and
+capacity), CRD reads (kopf discovers the resources it serves through them) and, with leader
+election, this release's ClusterKopfPeering: list/watch cover the kind (kopf watches it whole),
+get/patch only the release's own object. */}}
 {{- define "davit.clusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
@@ -88,6 +92,15 @@ CustomResourceDefinitions (kopf discovers the resources it serves through them).
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
+{{- if .Values.leaderElection.enabled }}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch"]
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  resourceNames: [{{ include "davit.fullname" . | quote }}]
+  verbs: ["get", "patch"]
+{{- end }}
 {{- end -}}
 
 {{- define "davit.operatorArgs" -}}
@@ -97,11 +110,13 @@ CustomResourceDefinitions (kopf discovers the resources it serves through them).
 - --namespace={{ .Values.watchNamespace }}
 {{- end }}
 - --metrics-port={{ .Values.metrics.port }}
-- --health-port={{ .Values.health.port }}
-- --log-level={{ .Values.logLevel }}
+- --liveness=http://0.0.0.0:{{ .Values.health.port }}/healthz
+- --drift-interval={{ .Values.driftIntervalSeconds }}
 {{- if .Values.leaderElection.enabled }}
-- --leader-election
-- --leader-election-namespace={{ .Release.Namespace }}
+- --peering={{ include "davit.fullname" . }}
+{{- end }}
+{{- if .Values.verbose }}
+- --verbose
 {{- end }}
 {{- range .Values.extraArgs }}
 - {{ . | quote }}
