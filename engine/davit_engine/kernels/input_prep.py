@@ -76,6 +76,49 @@ def _prepare_inputs_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_row + c, tl.load(blocks + c, mask=valid), mask=valid)
 
 
+@triton.jit
+def _scatter_token_rows_kernel(  # type: ignore[no-untyped-def]
+    headers_ptr,
+    tokens_ptr,
+    token_table_ptr,
+    stride_token_table,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(headers_ptr + 3 * row).to(tl.int64)
+    src = tl.load(headers_ptr + 3 * row + 1)
+    length = tl.load(headers_ptr + 3 * row + 2)
+    j = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = j < length
+    values = tl.load(tokens_ptr + src + j, mask=valid)
+    tl.store(token_table_ptr + slot * stride_token_table + j, values, mask=valid)
+
+
+def scatter_token_rows(
+    headers: torch.Tensor,  # [N, 3] int32: (slot, offset into tokens, length)
+    tokens: torch.Tensor,  # [total] int32
+    token_table: torch.Tensor,  # [num_slots, max_model_len] int32
+    max_length: int,
+) -> None:
+    """`token_table[slot, :length] = tokens[offset : offset + length]` for every header row."""
+    if headers.shape[0] == 0 or max_length == 0:
+        return
+    block = 1024
+    grid = (headers.shape[0], triton.cdiv(max_length, block))
+    _scatter_token_rows_kernel[grid](
+        headers, tokens, token_table, token_table.stride(0), BLOCK=block
+    )
+
+
+def scatter_token_rows_reference(
+    headers: torch.Tensor, tokens: torch.Tensor, token_table: torch.Tensor
+) -> None:
+    """Plain-torch twin of `scatter_token_rows`."""
+    for slot, offset, length in headers.tolist():
+        token_table[slot, :length] = tokens[offset : offset + length]
+
+
 @dataclass
 class StepInputs:
     """Views of one step's prepared inputs; shapes are [T] per token and [B] per row."""

@@ -59,3 +59,16 @@ def test_large_prefill_and_decode(device: torch.device) -> None:
     computed = [int(x) for x in torch.randint(0, 1000, (200,))]
     new = [1] * 190 + [700] * 10
     _check(device, slots, computed, new, 257, 2048, 16)
+
+
+def test_scatter_token_rows(device: torch.device) -> None:
+    from davit_engine.kernels.input_prep import scatter_token_rows, scatter_token_rows_reference
+
+    torch.manual_seed(3)
+    table = torch.randint(0, 9, (5, 2100), dtype=torch.int32, device=device)
+    tokens = torch.randint(100, 200, (2060,), dtype=torch.int32, device=device)
+    headers = torch.tensor([[3, 0, 3], [0, 3, 2050], [4, 2053, 7]], dtype=torch.int32)
+    ours, ref = table.clone(), table.clone()
+    scatter_token_rows(headers.to(device), tokens, ours, 2050)
+    scatter_token_rows_reference(headers, tokens, ref)
+    assert torch.equal(ours, ref)

@@ -1,0 +1,363 @@
+"""Runner V2: persistent request state on the GPU, inputs built by Triton kernels, sampling on
+the GPU, CUDA graphs for decode, and a step that returns before the GPU finishes.
+
+One step, all on the current stream:
+1. release the slots of finished and preempted requests (host only);
+2. stage the changes (new requests, appended blocks) and the row vectors, one pinned copy;
+3. decode-only batches replay a captured graph (input preparation + forward + logits) padded to
+   the next captured size; prefill and mixed batches run the same kernels eagerly;
+4. the sampling kernel draws and writes each token into the state table, where the next step's
+   input kernel reads it: the host never has to send generated tokens back;
+5. the drawn tokens go to pinned memory with an event. `execute_async` returns here; the only
+   synchronisation is `PendingStep.result()` waiting for that copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from davit_engine.kernels.attention_backend import NUM_KV_SPLITS_KEY, TritonPagedAttention
+from davit_engine.kernels.input_prep import InputBuffers, prepare_inputs
+from davit_engine.kernels.paged_attention import default_num_splits
+from davit_engine.layers.attention import AttentionMetadata
+from davit_engine.loader import LoadedModel
+from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
+from davit_engine.runner.v2.sampler import LogprobRequest, sample_step
+from davit_engine.runner.v2.state import RequestStateTable, StepRows
+from davit_engine.types import ParamError, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+_PENDING_BUFFERS = 4  # pinned output buffers: up to 3 steps may be in flight
+
+
+@dataclass
+class PendingStep:
+    """A launched step. `result()` waits for its sampled tokens (the step's only sync)."""
+
+    num_rows: int
+    needs_sample: list[bool]
+    host_tokens: torch.Tensor | None = None  # pinned [>= num_rows] int64
+    event: torch.cuda.Event | None = None
+    logprobs: LogprobRequest | None = None
+    _done: RunnerOutput | None = field(default=None, repr=False)
+
+    def result(self) -> RunnerOutput:
+        if self._done is not None:
+            return self._done
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.host_tokens[: self.num_rows].tolist() if self.host_tokens is not None else []
+        sampled: list[int | None] = [
+            t if needs else None for t, needs in zip(tokens, self.needs_sample, strict=True)
+        ]
+        logprobs: list[TokenLogprob | None] | None = None
+        if self.logprobs is not None:
+            logprobs = [None] * self.num_rows
+            lp = self.logprobs
+            chosen = lp.chosen.tolist()
+            top_v = lp.top_values.tolist() if lp.top_values is not None else None
+            top_i = lp.top_ids.tolist() if lp.top_ids is not None else None
+            for j, row in enumerate(lp.rows):
+                token = sampled[row]
+                if token is None:
+                    continue
+                n = lp.counts[j]
+                top = (
+                    list(zip(top_i[j][:n], top_v[j][:n], strict=True))
+                    if n and top_i is not None and top_v is not None
+                    else []
+                )
+                logprobs[row] = TokenLogprob(token, chosen[j], top)
+        self._done = RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return self._done
+
+
+class RunnerV2(ModelRunner):
+    """See the module docstring. Same constructor as RunnerV1.
+
+    Async contract: `execute_async(batch_n)` may be called before `result()` of step n-1 is
+    read, as long as the scheduler produced `batch_n` without that result: V2 reads running
+    requests' tokens from its device table, never from `ScheduledRequest.token_ids`, except
+    for requests that (re)start with `is_new`, whose `token_ids` must then be complete.
+    """
+
+    name = "v2"
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.device = device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.backend = TritonPagedAttention()
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.state: RequestStateTable | None = None
+        self.inputs: InputBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._out_buffers: list[torch.Tensor] = []
+        self._out_turn = 0
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    # ---- KV cache sizing ----------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+
+    def determine_num_blocks(self) -> int:
+        config = self.config
+        if config.num_gpu_blocks is not None:
+            return config.num_gpu_blocks
+        if config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
+            if num_blocks < 1:
+                raise ParamError(
+                    "--kv-cache-memory-bytes",
+                    f"{config.kv_cache_memory_bytes} bytes hold no KV block "
+                    f"(one block takes {self.block_bytes} bytes)",
+                )
+            return int(num_blocks)
+        if self.device.type != "cuda":
+            raise ParamError(
+                "--num-gpu-blocks-override", "runner V2 off CUDA needs an explicit KV size"
+            )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dummy_prefill(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Graph pool and logits of the largest decode graph are not in the profile: keep 4%.
+        budget = total * (self.config.gpu_memory_utilization - 0.04)
+        available = budget - (total - free) - activation_peak
+        num_blocks = int(available // self.block_bytes)
+        if num_blocks < 1:
+            raise ParamError(
+                "--gpu-memory-utilization",
+                f"no memory left for the KV cache at {self.config.gpu_memory_utilization}",
+            )
+        return num_blocks
+
+    def _dummy_prefill(self, num_tokens: int) -> None:
+        c = self.model_config
+        num_tokens = max(1, min(num_tokens, c.max_position_embeddings))
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(c.num_layers)
+        ]
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_config
+        config = self.config
+        self.num_blocks = num_blocks
+        # kv_caches[layer]: [2, num_blocks, block_size, Hkv, D]
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.max_model_len = min(
+            config.max_model_len or c.max_position_embeddings, num_blocks * self.block_size
+        )
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.state = RequestStateTable(
+            config.max_num_seqs, self.max_model_len, max_blocks, self.device, config.seed
+        )
+        self.inputs = InputBuffers(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs,
+            max_blocks,
+            self.device,
+        )
+        self._out_buffers = [
+            torch.empty(
+                config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            )
+            for _ in range(_PENDING_BUFFERS)
+        ]
+        logger.info(
+            "runner V2: %d KV blocks x %d (%.2f GiB), %d slots, max_model_len %d",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / 2**30,
+            config.max_num_seqs,
+            self.max_model_len,
+        )
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self._decode_logits, graph_batch_sizes(config.max_num_seqs))
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(batch).result()
+
+    def execute_async(self, batch: SchedulerOutput) -> PendingStep:
+        """Launch one step; the returned handle's `result()` waits for its tokens."""
+        state = self.state
+        if state is None:
+            raise RuntimeError("initialize_kv_cache() must run before execute()")
+        state.release(batch.finished_ids)
+        state.release(batch.preempted_ids)
+        scheduled = batch.scheduled
+        num_real = len(scheduled)
+        pending = PendingStep(num_real, [r.needs_sample for r in scheduled])
+        if not scheduled:
+            return pending
+        with torch.inference_mode():
+            decode_only = all(r.num_new_tokens == 1 for r in scheduled)
+            padded = self.graphs.padded_size(num_real) if self.graphs and decode_only else None
+            rows = state.stage(batch, padded or num_real)
+            max_seq_len = max(r.num_computed_tokens + r.num_new_tokens for r in scheduled)
+            assert self.inputs is not None
+            if padded is not None:
+                assert self.graphs is not None
+                logits = self.graphs.replay(padded)[:num_real]
+                self.num_graph_steps += 1
+            elif decode_only:
+                logits = self._decode_logits(num_real, max_seq_len)
+                self.num_eager_steps += 1
+            else:
+                logits = self._mixed_logits(rows, scheduled, max_seq_len)
+                self.num_eager_steps += 1
+            real = StepRows(
+                slot=rows.slot[:num_real],
+                num_computed=rows.num_computed[:num_real],
+                num_new=rows.num_new[:num_real],
+                needs_sample=rows.needs_sample[:num_real],
+            )
+            tokens, logprobs = sample_step(
+                logits,
+                real,
+                self.inputs.seq_lens[:num_real],
+                scheduled,
+                state,
+                self.model_config.eos_token_ids,
+                max_seq_len,
+            )
+            host = self._out_buffers[self._out_turn]
+            self._out_turn = (self._out_turn + 1) % len(self._out_buffers)
+            host[:num_real].copy_(tokens, non_blocking=True)
+            pending.host_tokens = host
+            pending.logprobs = logprobs
+            if self.device.type == "cuda":
+                pending.event = torch.cuda.Event()
+                pending.event.record()
+        return pending
+
+    def _decode_logits(self, num_rows: int, max_seq_len: int | None = None) -> torch.Tensor:
+        """Input preparation, forward and logits for `num_rows` one-token rows: [num_rows, V].
+
+        With `max_seq_len=None` (graph capture) the launch shapes depend on `num_rows` alone.
+        """
+        state, inputs = self.state, self.inputs
+        assert state is not None and inputs is not None
+        rows = state.rows[:, :num_rows]
+        step = prepare_inputs(
+            rows[0],
+            rows[1],
+            rows[2],
+            state.token_ids,
+            state.block_table,
+            inputs,
+            num_rows,
+            self.block_size,
+        )
+        horizon = max_seq_len if max_seq_len is not None else self.max_model_len
+        meta = AttentionMetadata(
+            slot_mapping=step.slot_mapping,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
+            max_query_len=1,
+            max_seq_len=horizon,
+            backend=self.backend,
+        )
+        meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
+            num_rows, self.model_config.num_kv_heads, horizon
+        )
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
+        return self.model.compute_logits(hidden)
+
+    def _mixed_logits(
+        self, rows: StepRows, scheduled: list[ScheduledRequest], max_seq_len: int
+    ) -> torch.Tensor:
+        state, inputs = self.state, self.inputs
+        assert state is not None and inputs is not None
+        num_tokens = sum(r.num_new_tokens for r in scheduled)
+        step = prepare_inputs(
+            rows.slot,
+            rows.num_computed,
+            rows.num_new,
+            state.token_ids,
+            state.block_table,
+            inputs,
+            num_tokens,
+            self.block_size,
+        )
+        meta = AttentionMetadata(
+            slot_mapping=step.slot_mapping,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
+            max_query_len=max(r.num_new_tokens for r in scheduled),
+            max_seq_len=max_seq_len,
+            backend=self.backend,
+        )
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[step.logits_index])  # [B, V]
+
+    def shutdown(self) -> None:
+        self.graphs = None
+        self.kv_caches = []
+        self.state = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
