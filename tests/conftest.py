@@ -52,9 +52,10 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
 
 @pytest.fixture
 def kube_namespace(kube_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace named after the test; deleted (and waited for) afterwards.
+    """A fresh namespace named after the test, deleted afterwards.
 
-    Waiting for the deletion frees the fake nodes' GPUs before the next test schedules pods.
+    Teardown waits until the namespace's pods are gone, so the fake nodes' GPUs are free again
+    before the next test schedules pods.
     """
     stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
     name = f"t-{stem}-{uuid.uuid4().hex[:6]}"
@@ -67,4 +68,21 @@ def kube_namespace(kube_cluster: LocalCluster, request: pytest.FixtureRequest) -
             pytest.fail(f"namespace {name} got no default ServiceAccount within 30 s")
         time.sleep(0.2)
     yield name
-    kube_cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--timeout=90s")
+    # The namespace controller starts deleting a namespace's content only 5 s after the request
+    # (a fixed grace period). What the next test needs is this one's pods gone and their GPUs
+    # free, so delete the workloads directly first and wait for the pods only.
+    kube_cluster.kubectl(
+        "delete",
+        "deployments.apps,statefulsets.apps,daemonsets.apps,jobs.batch,replicasets.apps,pods",
+        "--all",
+        "-n",
+        name,
+        "--wait=false",
+        check=False,
+    )
+    kube_cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=false")
+    deadline = time.monotonic() + 90
+    while kube_cluster.kubectl("get", "pods", "-n", name, "-o", "name").stdout.strip():
+        if time.monotonic() > deadline:
+            pytest.fail(f"pods in namespace {name} were not deleted within 90 s")
+        time.sleep(0.2)
