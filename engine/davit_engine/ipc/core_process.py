@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import queue
+import signal
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -128,6 +129,9 @@ class CoreLoop:
 
     def run(self) -> None:
         while self.running:
+            if os.getppid() != self.parent_pid:
+                logger.warning("engine core: parent process is gone, exiting")
+                return
             busy = self.core.has_unfinished_requests()
             for message in self._receive(block=not busy):
                 self._handle(message)
@@ -144,9 +148,6 @@ class CoreLoop:
             try:
                 messages.append(self.inputs.get(timeout=_IDLE_POLL_S))
             except queue.Empty:
-                if os.getppid() != self.parent_pid:
-                    logger.warning("engine core: parent process is gone, exiting")
-                    self.running = False
                 return messages
         while True:
             try:
@@ -183,6 +184,11 @@ def run_engine_core(
     parent_pid: int,
 ) -> None:
     """Child-process entry point (spawn): build the core, report `Ready`, run the loop."""
+    # The API process decides when the core stops (after a drain, it sends Shutdown). A SIGTERM
+    # or Ctrl-C delivered to the whole process group must not kill the core mid-drain; if the
+    # parent itself dies, the loop notices through getppid() and exits.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
     try:
         core = resolve_factory(factory_path)(config)

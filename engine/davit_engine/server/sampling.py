@@ -91,10 +91,9 @@ def sampling_params(
     try:
         params.validate(max_logprobs=max_logprobs)
     except ParamError as exc:
-        param = exc.param
-        if param == "max_tokens":
-            param = max_tokens_param
-        elif param == "logprobs":
-            param = logprobs_param
-        raise OpenAIError(400, exc.message.replace("logprobs", param, 1), param) from exc
+        # SamplingParams names its own fields; report the name the client actually sent.
+        param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(
+            exc.param, exc.param
+        )
+        raise OpenAIError(400, exc.message.replace(exc.param, param, 1), param) from exc
     return params

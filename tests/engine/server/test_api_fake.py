@@ -1,0 +1,402 @@
+"""The HTTP front end and the engine-core process, with the fake core (fast, no model).
+
+The app, the uvicorn server, the core process, the pipes and the real scheduler all run; only
+the model is replaced (see fake_core.py). Outputs are therefore known exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .conftest import MODEL, FakeServer, serve_fake
+from .fake_core import SCRIPT
+
+
+def script(n: int, seed: int | None = None) -> str:
+    offset = 0 if seed is None else seed % len(SCRIPT)
+    return "".join(SCRIPT[(i + offset) % len(SCRIPT)] for i in range(n))
+
+
+def wait_idle(server: FakeServer, timeout_s: float = 10.0) -> dict[str, object]:
+    """Stats once no request runs, waits or is open in the front end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        if (
+            stats["num_running"] == 0
+            and stats["num_waiting"] == 0
+            and not server.state.num_in_flight
+        ):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle: {stats}")
+        time.sleep(0.05)
+
+
+def test_chat_completion_text_usage_and_finish(fake_server: FakeServer) -> None:
+    reply = fake_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12
+    )
+    assert reply.choices[0].message.content == script(12)
+    assert reply.choices[0].finish_reason == "length"
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(prompt.encode())
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_chat_content_parts_are_joined(fake_server: FakeServer) -> None:
+    with fake_server.http() as http:
+        response = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_tokens": 3,
+            },
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == script(3)
+
+
+def test_completion_with_token_id_prompt(fake_server: FakeServer) -> None:
+    reply = fake_server.client().completions.create(model=MODEL, prompt=[72, 105], max_tokens=5)
+    assert reply.choices[0].text == script(5)
+    assert reply.usage is not None and reply.usage.prompt_tokens == 2
+
+
+def test_streaming_chat_with_usage(fake_server: FakeServer) -> None:
+    stream = fake_server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == script(9)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == 9
+
+
+def test_streaming_completion_ends_with_done(fake_server: FakeServer) -> None:
+    with (
+        fake_server.http() as http,
+        http.stream(
+            "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}
+        ) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert len(events) == 4 + 1  # one event per token, no usage without include_usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_output_and_frees_the_request(
+    fake_server: FakeServer, stream: bool
+) -> None:
+    client = fake_server.client()
+    if stream:
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=40, stop=["brown", "lazy"], stream=True
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        reply = client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=40, stop=["brown", "lazy"]
+        )
+        text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+    assert text == "The quick "
+    assert finish == "stop"
+    # Only the front end knows about stop strings: it must have aborted the request in the core.
+    stats = wait_idle(fake_server)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_include_stop_str_in_output(fake_server: FakeServer) -> None:
+    with fake_server.http() as http:
+        response = http.post(
+            "/v1/completions",
+            json={
+                "prompt": "hi",
+                "max_tokens": 40,
+                "stop": "quick",
+                "include_stop_str_in_output": True,
+            },
+        )
+    assert response.json()["choices"][0]["text"] == "The quick"
+
+
+def test_seed_selects_a_reproducible_output(fake_server: FakeServer) -> None:
+    client = fake_server.client()
+
+    def run(seed: int) -> str:
+        reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, seed=seed)
+        return reply.choices[0].text
+
+    assert run(4) == run(4) == script(8, seed=4)
+    assert run(5) != run(4)
+
+
+def test_chat_logprobs_format(fake_server: FakeServer) -> None:
+    reply = fake_server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [entry.token for entry in logprobs.content] == list(script(4))
+    for entry in logprobs.content:
+        assert entry.logprob == -0.25
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == [-0.25, -1.5]
+        assert entry.top_logprobs[0].token == entry.token
+
+
+def test_completion_logprobs_format(fake_server: FakeServer) -> None:
+    reply = fake_server.client().completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, logprobs=1
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.tokens == list(script(3))
+    assert logprobs.token_logprobs == [-0.25] * 3
+    assert logprobs.top_logprobs == [{token: -0.25} for token in script(3)]
+    assert logprobs.text_offset == [0, 1, 2]
+
+
+def test_models_health_ready_and_info(fake_server: FakeServer) -> None:
+    with fake_server.http() as http:
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert models["data"][0]["max_model_len"] == 256
+        assert http.get("/health").status_code == 200
+        assert http.get("/ready").json() == {"ready": True}
+        info = http.get("/v1/engine/info").json()
+    assert info["model_info"]["runner"] == "fake"
+    assert info["model_info"]["eos_token_ids"] == [257]
+
+
+def test_metrics_names_and_counts(fake_server: FakeServer) -> None:
+    client = fake_server.client()
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+    with fake_server.http() as http:
+        text = http.get("/metrics").text
+    label = f'model_name="{MODEL}"'
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
+        assert any(line.startswith(name + "{") and label in line for line in text.splitlines()), (
+            name
+        )
+    success = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+    assert any(
+        'finished_reason="length"' in line and float(line.split()[-1]) >= 1 for line in success
+    )
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (COMPLETIONS, b'{"prompt": "hi", ', 400, None),
+        (COMPLETIONS, b"\xff\xfe{}", 400, None),
+        (COMPLETIONS, b"[1, 2]", 400, None),
+        (COMPLETIONS, {"max_tokens": 3}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+        (COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+        (COMPLETIONS, {"prompt": "x" * 300}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 100000]}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "stop": ""}, 400, "stop"),
+        (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        (CHAT, {"messages": []}, 400, "messages"),
+        (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+        (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+        (CHAT, {"messages": "hi"}, 400, "messages"),
+        (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        (CHAT, {"messages": USER, "stream_options": {"include_usage": "yes"}}, 400,
+         "stream_options.include_usage"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages[0].content[0].type",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_input_gets_an_openai_error_naming_the_field(
+    fake_server: FakeServer, path: str, body: object, status: int, param: str | None
+) -> None:
+    with fake_server.http() as http:
+        if isinstance(body, bytes):
+            response = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["message"]
+    if param is not None:
+        assert param.split(".")[0].split("[")[0] in error["message"]
+
+
+def test_bad_input_does_not_disturb_a_running_request(fake_server: FakeServer) -> None:
+    client = fake_server.client()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(
+            client.completions.create,
+            model=MODEL,
+            prompt="hi",
+            max_tokens=30,
+            extra_body={"ignore_eos": True},
+        )
+        with fake_server.http() as http:
+            for body in (b"{", b'{"prompt": 1}', b'{"prompt": "hi", "temperature": -1}'):
+                response = http.post(
+                    COMPLETIONS, content=body, headers={"content-type": "application/json"}
+                )
+                assert response.status_code == 400
+        assert good.result(timeout=30).choices[0].text == script(30)
+
+
+# --- disconnects, overload, crash, drain ------------------------------------------------------
+
+
+def test_client_disconnects_abort_and_free_every_block() -> None:
+    with serve_fake(step_s=0.01, max_num_seqs=4) as server:
+
+        async def one(http: httpx.AsyncClient, i: int) -> None:
+            body: dict[str, object] = {
+                "prompt": f"request {i}",
+                "max_tokens": 200,
+                "ignore_eos": True,
+            }
+            task: asyncio.Future[Any]
+            if i % 2:
+                body["stream"] = True
+
+                async def read() -> None:
+                    async with http.stream("POST", COMPLETIONS, json=body) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+
+                task = asyncio.ensure_future(read())
+            else:
+                task = asyncio.ensure_future(http.post(COMPLETIONS, json=body))
+            await asyncio.sleep(0.05 + (i % 5) * 0.04)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30.0) as http:
+                await asyncio.gather(*(one(http, i) for i in range(20)))
+
+        asyncio.run(run())
+        stats = wait_idle(server)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert server.state.num_in_flight == 0
+
+
+def test_full_queue_answers_429_and_accepted_requests_complete() -> None:
+    with serve_fake(step_s=0.02, max_num_seqs=1, max_queue_len=1) as server:
+        client = server.client()
+
+        def call(_: int) -> object:
+            try:
+                return client.completions.create(
+                    model=MODEL, prompt="hi", max_tokens=15, extra_body={"ignore_eos": True}
+                )
+            except openai.RateLimitError as exc:
+                return exc
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(call, range(6)))
+        rejected = [r for r in results if isinstance(r, openai.RateLimitError)]
+        accepted = [r for r in results if not isinstance(r, openai.RateLimitError)]
+        assert rejected and accepted
+        for exc in rejected:
+            assert exc.status_code == 429
+            assert int(exc.response.headers["Retry-After"]) >= 1
+        for reply in accepted:
+            assert reply.choices[0].text == script(15)  # type: ignore[attr-defined]
+
+
+def test_crashed_core_fails_requests_and_health() -> None:
+    with serve_fake(step_s=0.01) as server, server.http() as http:
+        response = http.post(COMPLETIONS, json={"prompt": "CRASH now", "max_tokens": 5})
+        assert response.status_code == 503, response.text
+        assert "crashed on purpose" in response.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        assert http.get("/ready").status_code == 503
+        after = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 5})
+        assert after.status_code == 503
+
+
+def test_drain_refuses_new_requests_and_finishes_in_flight() -> None:
+    with serve_fake(step_s=0.02) as server:
+        client = server.client()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(
+                client.completions.create,
+                model=MODEL,
+                prompt="hi",
+                max_tokens=40,
+                extra_body={"ignore_eos": True},
+            )
+            deadline = time.monotonic() + 10
+            while server.state.num_in_flight == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            server.state.begin_drain()
+            with server.http() as http:
+                assert http.get("/ready").status_code == 503
+                refused = http.post(COMPLETIONS, json={"prompt": "hi"})
+                assert refused.status_code == 503
+                assert "shutting down" in refused.json()["error"]["message"]
+            assert in_flight.result(timeout=30).choices[0].text == script(40)
+        assert server.state.num_in_flight == 0
