@@ -1,0 +1,583 @@
+"""GPU validation and benchmarks of runner V2 in one process, for one call to the GPU machine.
+
+Sections (pick with `--sections`, in this order):
+- `tests`: the kernel and runner-V2 test suites on the GPU (pytest, `gpu` marks included);
+- `kernels`: decode-attention bandwidth at the W1 and W2 shapes, against the copy bandwidth;
+- `v1v2`: runner V2 (graphs and eager) against runner V1, greedy, fp32, token for token;
+- `hf`: greedy completions against transformers on the same random weights (fp32 exact share,
+  bf16 identical share) for a Qwen3 and a Llama shape;
+- `w1`, `w2`, `peer`: the issue's workloads, and the transformers peer at one shape;
+- `profile`: where a decode step's time goes (torch.profiler, eager kernels) at the W1 shape.
+
+Every result is one JSON line in `$OUT/results.jsonl` with its configuration; a short table is
+printed last. Nothing here imports the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from davit_engine.config import EngineConfig
+from davit_engine.core.batch import SchedulerOutput
+from davit_engine.engine_core import EngineCore
+from davit_engine.types import EngineRequest, SamplingParams
+
+RESULTS: list[dict[str, Any]] = []
+OUT = Path(os.environ.get("OUT", "/tmp/davit-gpu-suite"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def record(kind: str, **fields: Any) -> dict[str, Any]:
+    row = {"section": kind, **fields}
+    RESULTS.append(row)
+    with open(OUT / "results.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def versions() -> dict[str, str]:
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 20
+    del a, b
+    return 2 * n * 2 / seconds
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- engine driving ---------------------------------------------------------------------------
+
+
+def make_core(model: str, runner: str, eager: bool, dtype: str, **kw: Any) -> EngineCore:
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,  # type: ignore[arg-type]
+        runner=runner,  # type: ignore[arg-type]
+        enforce_eager=eager,
+        enable_prefix_caching=False,
+        seed=0,
+        **kw,
+    )
+    return EngineCore(config)
+
+
+def run_requests(
+    core: EngineCore, requests: list[EngineRequest], profile_steps: int = 0
+) -> dict[str, Any]:
+    """Drive schedule -> execute -> update until done; time the host and device parts."""
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    scheduler, runner = core.scheduler, core.runner
+    for req in requests:
+        core.add_request(req)
+    torch.cuda.synchronize()
+    t_schedule = t_execute = t_update = 0.0
+    steps = decode_steps = 0
+    first_token_at: float | None = None
+    start = time.perf_counter()
+    while scheduler.has_unfinished():
+        t0 = time.perf_counter()
+        batch = scheduler.schedule()
+        t1 = time.perf_counter()
+        result = runner.execute(batch)
+        t2 = time.perf_counter()
+        for delta in scheduler.update_from_output(batch, result):
+            outputs[delta.request_id].extend(delta.new_token_ids)
+            if first_token_at is None:
+                first_token_at = time.perf_counter() - start
+        t3 = time.perf_counter()
+        t_schedule += t1 - t0
+        t_execute += t2 - t1
+        t_update += t3 - t2
+        steps += 1
+        decode_steps += all(r.num_new_tokens == 1 for r in batch.scheduled)
+    elapsed = time.perf_counter() - start
+    runner.execute(SchedulerOutput(finished_ids=list(outputs)))
+    num_output = sum(len(v) for v in outputs.values())
+    return {
+        "outputs": outputs,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens": num_output,
+        "output_tok_s": round(num_output / elapsed, 1),
+        "steps": steps,
+        "decode_steps": decode_steps,
+        "first_token_s": round(first_token_at or 0.0, 4),
+        "host_schedule_ms_per_step": round(1e3 * t_schedule / max(steps, 1), 3),
+        "execute_ms_per_step": round(1e3 * t_execute / max(steps, 1), 3),
+        "host_update_ms_per_step": round(1e3 * t_update / max(steps, 1), 3),
+    }
+
+
+def random_requests(
+    n: int,
+    in_lens: list[int],
+    out_lens: list[int],
+    vocab: int,
+    seed: int,
+    temperature: float,
+    prefix: str = "req",
+) -> list[EngineRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (in_lens[i],), generator=gen).tolist()
+        params = SamplingParams(
+            max_tokens=out_lens[i], temperature=temperature, ignore_eos=True, seed=None
+        )
+        reqs.append(EngineRequest(f"{prefix}-{i}", prompt, params))
+    return reqs
+
+
+def runner_label(runner: str, eager: bool) -> str:
+    return f"{runner}-{'eager' if eager or runner == 'v1' else 'graphs'}"
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def section_tests(_: argparse.Namespace) -> None:
+    log = OUT / "pytest.log"
+    began = time.perf_counter()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/engine/kernels",
+            "tests/engine/v2",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    log.write_text(proc.stdout + proc.stderr)
+    tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    record("tests", rc=proc.returncode, summary=tail, seconds=round(time.perf_counter() - began))
+    if proc.returncode != 0:
+        print(proc.stdout[-6000:], flush=True)
+
+
+def section_kernels(args: argparse.Namespace) -> None:
+    from triton.testing import do_bench
+
+    from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+
+    bw = copy_bandwidth()
+    record("copy_bandwidth", tb_s=round(bw / 1e12, 3))
+    page = 16
+    for label, batch, ctx in (("w1-decode", 256, 840), ("w2-decode", 1, 1152), ("b64", 64, 2048)):
+        hq, hkv, dim = (16, 8, 128) if label.startswith("w1") else (32, 8, 128)
+        blocks_per_seq = -(-ctx // page)
+        cache = torch.randn(
+            2, batch * blocks_per_seq + 1, page, hkv, dim, device="cuda", dtype=torch.bfloat16
+        )
+        tables = torch.randperm(batch * blocks_per_seq, device="cuda").int().view(batch, -1)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
+        splits = default_num_splits(batch, hkv, ctx)
+        scale = dim**-0.5
+
+        def attend(
+            q: torch.Tensor = q,
+            cache: torch.Tensor = cache,
+            tables: torch.Tensor = tables,
+            seq_lens: torch.Tensor = seq_lens,
+            qsl: torch.Tensor = qsl,
+            splits: int = splits,
+            scale: float = scale,
+        ) -> torch.Tensor:
+            return paged_attention(q, cache, tables, seq_lens, qsl, 1, scale, splits)
+
+        ms = do_bench(attend, warmup=50, rep=200, return_mode="median")
+        kv_bytes = batch * ctx * hkv * dim * 2 * 2
+        record(
+            "kernel_decode_attention",
+            shape=label,
+            batch=batch,
+            context=ctx,
+            heads=f"{hq}/{hkv}x{dim}",
+            num_splits=splits,
+            us=round(ms * 1e3, 2),
+            kv_mb=round(kv_bytes / 1e6, 1),
+            achieved_tb_s=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+            share_of_copy_bw=round(kv_bytes / (ms * 1e-3) / bw, 3),
+        )
+        del cache
+    free_memory()
+
+
+def section_v1v2(args: argparse.Namespace) -> None:
+    """Greedy fp32 on a random Qwen3-0.6B: V2 (graphs), V2 (eager) and V1, token for token."""
+    model = args.small_model
+    results: dict[str, dict[str, list[int]]] = {}
+    for runner, eager in (("v1", True), ("v2", False), ("v2", True)):
+        core = make_core(
+            model,
+            runner,
+            eager,
+            "float32",
+            max_model_len=512,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+        )
+        vocab = core.model_info.vocab_size
+        gen = torch.Generator().manual_seed(1)
+        in_lens = torch.randint(5, 200, (12,), generator=gen).tolist()
+        reqs = random_requests(12, in_lens, [40] * 12, vocab, 11, temperature=0.0)
+        res = run_requests(core, reqs)
+        results[runner_label(runner, eager)] = res["outputs"]
+        core.shutdown()
+        del core
+        free_memory()
+    ref = results["v1-eager"]
+    for label, outs in results.items():
+        same = sum(outs[k] == ref[k] for k in ref)
+        record(
+            "v2_vs_v1_fp32",
+            model=model,
+            runner=label,
+            identical_completions=f"{same}/{len(ref)}",
+            tokens=sum(len(v) for v in outs.values()),
+        )
+
+
+def _hf_from_ours(core: EngineCore) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from davit_engine.loader.hf_config import model_config_to_hf
+
+    runner: Any = core.runner
+    model = runner.model
+    raw = model_config_to_hf(model.config)
+    raw.pop("architectures")
+    model_type = raw.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **raw)
+    dtype = next(model.parameters()).dtype
+    with torch.device(DEVICE):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+        if fused is None:
+            tensors[name] = param
+            continue
+        bounds = model._shard_bounds(fused)
+        parts = ("q_proj", "k_proj", "v_proj") if fused == "qkv_proj" else ("gate_proj", "up_proj")
+        for i, part in enumerate(parts):
+            tensors[name.replace(f".{fused}.", f".{part}.")] = param[bounds[i] : bounds[i + 1]]
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    assert not missing and not unexpected, (missing, unexpected)
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+def section_hf(args: argparse.Namespace) -> None:
+    cases = [(args.small_model, "float32"), (args.small_model, "bfloat16")]
+    cases += [(m, "bfloat16") for m in args.hf_models]
+    for model, dtype in cases:
+        core = make_core(
+            model,
+            "v2",
+            False,
+            dtype,
+            max_model_len=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=1024,
+            gpu_memory_utilization=0.45,
+        )
+        vocab = core.model_info.vocab_size
+        n, in_len, out_len = 16, 64, 32
+        reqs = random_requests(n, [in_len] * n, [out_len] * n, vocab, 5, temperature=0.0)
+        ours = run_requests(core, reqs)["outputs"]
+        hf = _hf_from_ours(core)
+        core.shutdown()
+        del core
+        free_memory()
+        ids = torch.tensor([r.prompt_token_ids for r in reqs], device=DEVICE)
+        # EOS ignored as on our side: no stop token, and no EOS masking (min_new_tokens would)
+        hf.generation_config.eos_token_id = None
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        theirs = out[:, in_len:].tolist()
+        del hf, out
+        free_memory()
+        same = first = prefix = 0
+        for i, r in enumerate(reqs):
+            a, b = ours[r.request_id], theirs[i]
+            same += a == b
+            first += a[0] == b[0]
+            prefix += next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        record(
+            "greedy_vs_transformers",
+            model=model,
+            dtype=dtype,
+            runner="v2-graphs",
+            prompts=n,
+            input_len=in_len,
+            output_len=out_len,
+            identical_completions=f"{same}/{n}",
+            identical_first_token=f"{first}/{n}",
+            mean_matching_prefix=round(prefix / n, 2),
+        )
+
+
+def _throughput(
+    label: str,
+    model: str,
+    runner: str,
+    eager: bool,
+    reqs_fn: Callable[[int], list[EngineRequest]],
+    **kw: Any,
+) -> dict[str, Any]:
+    core = make_core(model, runner, eager, "bfloat16", **kw)
+    reqs = reqs_fn(core.model_info.vocab_size)
+    # warm-up: a few short requests compile every prefill kernel variant before timing
+    vocab = core.model_info.vocab_size
+    warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
+    run_requests(core, warm)
+    res = run_requests(core, reqs)
+    res.pop("outputs")
+    runner_obj: Any = core.runner
+    row = record(
+        label,
+        model=model,
+        runner=runner_label(runner, eager),
+        dtype="bfloat16",
+        requests=len(reqs),
+        graph_steps=getattr(runner_obj, "num_graph_steps", None),
+        **{k: v for k, v in kw.items() if k.startswith("max_")},
+        **res,
+        **versions(),
+    )
+    core.shutdown()
+    del core
+    free_memory()
+    return row
+
+
+def section_w1(args: argparse.Namespace) -> None:
+    gen = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    for runner, eager in args.w1_runners:
+        _throughput(
+            "w1",
+            args.w1_model,
+            runner,
+            eager,
+            lambda vocab: random_requests(256, in_lens, out_lens, vocab, 0, args.temperature),
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=2048,
+        )
+
+
+def section_w2(args: argparse.Namespace) -> None:
+    bw = copy_bandwidth()
+    for runner, eager in args.w2_runners:
+        row = _throughput(
+            "w2",
+            args.w2_model,
+            runner,
+            eager,
+            lambda vocab: random_requests(1, [1024], [256], vocab, 0, 0.0),
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+        )
+        from davit_engine.shapes import get_shape
+
+        c = get_shape(args.w2_model.removeprefix("random:"))
+        weight_bytes = 2 * (c.num_parameters() - c.vocab_size * c.hidden_size)
+        kv_bytes = (1024 + 128) * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 2
+        floor_tok_s = bw / (weight_bytes + kv_bytes)
+        decode_s = row["elapsed_s"] - row["first_token_s"]
+        decode_tok_s = 255 / decode_s
+        record(
+            "w2_vs_floor",
+            runner=row["runner"],
+            copy_tb_s=round(bw / 1e12, 3),
+            floor_tok_s=round(floor_tok_s, 1),
+            output_tok_s=row["output_tok_s"],
+            decode_tok_s=round(decode_tok_s, 1),
+            share_of_floor=round(decode_tok_s / floor_tok_s, 3),
+            ttft_s=row["first_token_s"],
+        )
+
+
+def section_peer(args: argparse.Namespace) -> None:
+    sys.path.insert(0, args.peer_dir)
+    import peer_hf  # the shared peer script, carried beside the repository
+
+    n, in_len, out_len = 256, 256, 256
+    ours = _throughput(
+        "peer_shape_ours",
+        args.w1_model,
+        "v2",
+        False,
+        lambda vocab: random_requests(n, [in_len] * n, [out_len] * n, vocab, 0, 0.0),
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=1024,
+    )
+    theirs = peer_hf.hf("qwen3-0.6b", [n], inp=in_len, out=out_len)[0]
+    free_memory()
+    record(
+        "peer_ratio",
+        shape=f"qwen3-0.6b bf16 batch {n}, {in_len} in / {out_len} out, greedy",
+        ours_tok_s=ours["output_tok_s"],
+        transformers_tok_s=theirs["output_tok_s"],
+        ratio=round(ours["output_tok_s"] / theirs["output_tok_s"], 2),
+    )
+
+
+def section_profile(args: argparse.Namespace) -> None:
+    """Kernel time of eager decode steps at batch 256, context ~ 600 (the W1 middle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for eager in (True, False):
+        core = make_core(
+            args.w1_model,
+            "v2",
+            eager,
+            "bfloat16",
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=2048,
+        )
+        vocab = core.model_info.vocab_size
+        reqs = random_requests(256, [600] * 256, [40] * 256, vocab, 3, args.temperature)
+        for req in reqs:
+            core.add_request(req)
+        sched, runner = core.scheduler, core.runner
+        steps = 0
+        while sched.has_unfinished() and steps < 12:  # prefill, then a few decode steps
+            batch = sched.schedule()
+            sched.update_from_output(batch, runner.execute(batch))
+            steps += 1
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            began = time.perf_counter()
+            for _ in range(10):
+                batch = sched.schedule()
+                sched.update_from_output(batch, runner.execute(batch))
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - began) / 10
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        name = f"profile_{'eager' if eager else 'graphs'}.txt"
+        (OUT / name).write_text(table)
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        gpu_us = sum(e.self_device_time_total for e in events) / 10
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+        record(
+            "profile_decode_b256",
+            runner=runner_label("v2", eager),
+            wall_ms_per_step=round(wall * 1e3, 3),
+            gpu_busy_ms_per_step=round(gpu_us / 1e3, 3),
+            top_kernels={e.key[:60]: round(e.self_device_time_total / 10 / 1e3, 3) for e in top},
+        )
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            sched.update_from_output(batch, runner.execute(batch))
+        core.shutdown()
+        del core
+        free_memory()
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tests": section_tests,
+    "kernels": section_kernels,
+    "v1v2": section_v1v2,
+    "hf": section_hf,
+    "w1": section_w1,
+    "w2": section_w2,
+    "peer": section_peer,
+    "profile": section_profile,
+}
+
+
+def _runner_list(text: str) -> list[tuple[str, bool]]:
+    # "v2-graphs,v2-eager,v1" -> [("v2", False), ("v2", True), ("v1", True)]
+    out = []
+    for item in text.split(","):
+        runner, _, mode = item.partition("-")
+        out.append((runner, runner == "v1" or mode == "eager"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sections", default="tests,kernels,v1v2,hf,w1,w2")
+    parser.add_argument("--small-model", default="random:qwen3-0.6b")
+    parser.add_argument("--hf-models", default="random:llama-3.1-8b")
+    parser.add_argument("--w1-model", default="random:qwen3-0.6b")
+    parser.add_argument("--w2-model", default="random:llama-3.1-8b")
+    parser.add_argument("--w1-runners", default="v2-graphs")
+    parser.add_argument("--w2-runners", default="v2-graphs")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--peer-dir", default=".device_bench")
+    args = parser.parse_args(argv)
+    args.hf_models = [m for m in args.hf_models.split(",") if m]
+    args.w1_runners = _runner_list(args.w1_runners)
+    args.w2_runners = _runner_list(args.w2_runners)
+    OUT.mkdir(parents=True, exist_ok=True)
+    record("environment", **versions(), argv=sys.argv[1:])
+    for name in args.sections.split(","):
+        began = time.perf_counter()
+        try:
+            SECTIONS[name](args)
+        except Exception as exc:  # one broken section must not cost the call's other figures
+            record("error", failed=name, error=f"{type(exc).__name__}: {exc}"[:2000])
+            import traceback
+
+            traceback.print_exc()
+        print(f"[{name}] {time.perf_counter() - began:.1f} s", flush=True)
+    print("\n==== summary ====")
+    for row in RESULTS:
+        keep = {k: v for k, v in row.items() if k not in ("torch", "triton", "gpu", "argv")}
+        print(json.dumps(keep)[:400])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
