@@ -31,6 +31,7 @@ def test_up_status_env_down(tmp_path: Path) -> None:
     assert _cli(state, "env").returncode == 1
 
     up = _cli(state, "up")
+    cluster = LocalCluster.from_state(state)
     try:
         assert up.returncode == 0, up.stderr
         kubeconfig = Path(up.stdout.strip())
@@ -38,7 +39,6 @@ def test_up_status_env_down(tmp_path: Path) -> None:
         assert "ready in" in up.stderr
 
         # The command has returned; its components keep running in their own sessions.
-        cluster = LocalCluster.from_state(state)
         assert cluster is not None and cluster.is_running()
         for record in cluster.processes:
             assert os.getsid(record.pid) == record.pid, f"{record.name} is not in its own session"
@@ -58,6 +58,7 @@ def test_up_status_env_down(tmp_path: Path) -> None:
     finally:
         down = _cli(state, "down")
     assert down.returncode == 0, down.stderr
+    assert cluster is not None
     assert not any(r.is_alive() for r in cluster.processes)
     assert _cli(state, "status").returncode == 1
     assert (state / "logs" / "kube-apiserver.log").stat().st_size > 0

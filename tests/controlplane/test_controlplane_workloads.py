@@ -196,3 +196,13 @@ def test_deleting_an_owner_garbage_collects_what_it_owns(
     )
     leftovers = kube_cluster.kubectl("get", "replicasets,pods", "-n", ns, "-o", "name").stdout
     assert leftovers.strip() == ""
+
+
+def test_service_gets_a_loopback_cluster_ip(
+    kube_cluster: LocalCluster, kube_namespace: str
+) -> None:
+    kube_cluster.kubectl(
+        "create", "service", "clusterip", "engine", "--tcp=8000:8000", "-n", kube_namespace
+    )
+    service = kube_cluster.kubectl_json("get", "service/engine", "-n", kube_namespace)
+    assert ipaddress.ip_address(service["spec"]["clusterIP"]).is_loopback

@@ -37,11 +37,12 @@ from .process import (
 # Pod addresses stay on loopback so nothing a test does can reach a real network.
 POD_CIDR = "127.64.0.0/16"
 NODE_IP = "127.0.0.1"
-# Service ClusterIPs are only allocated, never routed (there is no kube-proxy), so they cannot
-# carry traffic; the API server requires a range outside loopback.
-SERVICE_CIDR = "10.96.0.0/16"
-FIRST_SERVICE_IP = "10.96.0.1"
+# ClusterIPs are only allocated, never routed (there is no kube-proxy); keeping them on loopback
+# means a client that tries one anyway cannot reach another machine.
+SERVICE_CIDR = "127.96.0.0/16"
+FIRST_SERVICE_IP = "127.96.0.1"
 STATE_FILE = "cluster.json"
+PORT_RACE_ATTEMPTS = 3
 
 ADMIN = ClientIdentity("admin", "davit-admin", ("system:masters",))
 CONTROLLER_MANAGER = ClientIdentity("kube-controller-manager", "system:kube-controller-manager")
@@ -225,12 +226,20 @@ class LocalCluster:
         if self._owns_state_dir:
             self.state_dir = Path(tempfile.mkdtemp(prefix="davit-cluster-"))
         started = time.monotonic()
-        try:
-            self._start_components(started + self.startup_timeout)
-            self._register_nodes(started + self.startup_timeout)
-        except BaseException:
-            self._stop_processes()
-            raise
+        for attempt in range(PORT_RACE_ATTEMPTS):
+            try:
+                self._start_components(started + self.startup_timeout)
+                self._register_nodes(started + self.startup_timeout)
+                break
+            except ClusterError as err:
+                self._stop_processes()
+                # Free ports are picked before the components bind them; another process may
+                # take one in between. Only that case is worth a second try.
+                if "address already in use" not in str(err) or attempt + 1 == PORT_RACE_ATTEMPTS:
+                    raise
+            except BaseException:
+                self._stop_processes()
+                raise
         self.startup_seconds = time.monotonic() - started
         self._write_state()
         return self
@@ -348,6 +357,10 @@ class LocalCluster:
                 f"--cluster-signing-cert-file={pki.ca_cert}",
                 f"--cluster-signing-key-file={pki.ca_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # Endpoint validation rejects loopback addresses, so with loopback pod IPs these
+                # controllers could only retry failing writes and flood the log and events.
+                "--controllers=*,-endpoints-controller,-endpointslice-controller,"
+                "-endpointslice-mirroring-controller",
                 "--profiling=false",
                 "--v=1",
             ],

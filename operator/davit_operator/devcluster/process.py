@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -80,9 +81,11 @@ def _die_with_parent() -> None:
 def spawn(name: str, argv: list[str], log: Path, *, detached: bool) -> subprocess.Popen[bytes]:
     """Starts ``argv`` in its own session with stdout and stderr appended to ``log``.
 
-    ``detached`` processes survive the caller; attached ones receive SIGTERM when it dies.
+    ``detached`` processes survive the caller; attached ones started from the main thread receive
+    SIGTERM when the caller dies.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
+    on_main_thread = threading.current_thread() is threading.main_thread()
     with open(log, "ab") as out:
         out.write(f"==> {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
         out.flush()
@@ -93,7 +96,9 @@ def spawn(name: str, argv: list[str], log: Path, *, detached: bool) -> subproces
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=None if detached else _die_with_parent,
+                # The parent-death signal fires when the *thread* that forked exits, so it is
+                # only safe from the main thread; elsewhere stop() is the only cleanup.
+                preexec_fn=None if detached or not on_main_thread else _die_with_parent,
             )
         except OSError as err:
             raise ClusterError(f"cannot start {name} ({argv[0]}): {err}") from err
