@@ -109,3 +109,17 @@ def test_accelerator_labels_match_the_usual_device_plugin_labels(
     assert xpu["metadata"]["labels"]["intel.feature.node.kubernetes.io/gpu"] == "true"
     cpu = _node(kube_cluster, "cpu-0")
     assert not [k for k in cpu["status"]["capacity"] if "gpu" in k]
+
+
+def test_env_lets_a_subprocess_use_plain_kubectl(kube_cluster: LocalCluster) -> None:
+    env = kube_cluster.env({"PATH": "/usr/bin:/bin"})
+    assert env["PATH"].split(":")[0] == str(kube_cluster.bin_dir)
+    out = subprocess.run(
+        ["kubectl", "get", "nodes", "-o", "name"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert len(out.stdout.split()) == len(DEFAULT_NODES)

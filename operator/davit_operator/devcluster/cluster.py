@@ -9,12 +9,13 @@ addresses from 127.64.0.0/16, and all state and logs live in one state folder.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -183,6 +184,17 @@ class LocalCluster:
     def kubectl_json(self, *args: str) -> Any:
         """``kubectl <args> -o json``, parsed."""
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for a subprocess that should talk to this cluster (a kopf operator, helm).
+
+        ``KUBECONFIG`` points at the admin kubeconfig and the cluster's ``bin_dir`` comes first on
+        ``PATH``, so a plain ``kubectl`` is the matching version. ``base`` defaults to os.environ.
+        """
+        env = dict(os.environ if base is None else base)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = os.pathsep.join(p for p in (str(self.bin_dir), env.get("PATH", "")) if p)
+        return env
 
     def write_token_kubeconfig(self, token: str, path: Path) -> Path:
         """Writes a kubeconfig that authenticates with ``token`` only (no client certificate).
