@@ -65,6 +65,10 @@ def run_operator(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.kubeconfig:
+        # kopf's login goes through the kubernetes client, which reads $KUBECONFIG when it is
+        # imported: set it before the first import so both clients reach the same cluster.
+        os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
 
     # kopf installs the log handler; the children's HTTP client logs every request at INFO.
@@ -81,9 +85,6 @@ def run_operator(argv: list[str]) -> int:
         print(f"davit operator: the catalog is invalid: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("davit_operator").info("catalog %s loaded", catalog.version)
-    if args.kubeconfig:
-        # kopf's own login reads $KUBECONFIG; keep both clients on the same cluster.
-        os.environ["KUBECONFIG"] = args.kubeconfig
     options = OperatorOptions(
         drift_interval=args.drift_interval, kubeconfig=args.kubeconfig, peering=args.peering
     )
