@@ -338,7 +338,10 @@ def test_invalid_specs_are_refused_by_the_api_server(
         input=json.dumps(unknown),
         check=False,
     )
-    if result.returncode == 0 or ".spec.engine.flavour: field not declared in schema" not in result.stderr:
+    if (
+        result.returncode == 0
+        or ".spec.engine.flavour: field not declared in schema" not in result.stderr
+    ):
         failures.append(f"unknown field: {result.stderr.strip()}")
     ok = kube_cluster.kubectl(
         "apply",
