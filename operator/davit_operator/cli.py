@@ -41,9 +41,10 @@ def _operator_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drift-interval",
         type=float,
-        default=30.0,
+        default=10.0,
         metavar="SECONDS",
-        help="how often each InferenceService is re-checked against its children",
+        help="how often each InferenceService is re-checked against its children and its "
+        "status refreshed (reads the watch caches only; no API request when nothing changed)",
     )
     parser.add_argument(
         "--peering",

@@ -41,7 +41,7 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 class OperatorOptions:
     """Settings chosen on the command line."""
 
-    drift_interval: float = 30.0
+    drift_interval: float = 10.0
     kubeconfig: str | None = None
     peering: str | None = None
     retry_delay: float = 5.0
@@ -49,11 +49,11 @@ class OperatorOptions:
 
 @dataclass
 class Runtime:
-    """Per-process state shared by the handlers through kopf's memo."""
+    """Per-process state shared by the handlers through kopf's memo (kopf copies the operator's
+    memo into each object's memo, so every handler sees the same Runtime)."""
 
     catalog: Catalog
     kube: KubeClient
-    locks: dict[str, asyncio.Lock]
 
 
 def _now() -> str:
@@ -163,13 +163,14 @@ async def reconcile(
     patch: kopf.Patch,
     indexes: dict[str, kopf.Index[Any, Any]],
     retry_delay: float,
+    lock: asyncio.Lock,
 ) -> None:
-    """Level-based reconcile of one InferenceService (see module docstring)."""
+    """Level-based reconcile of one InferenceService (see module docstring). `lock` serialises
+    the triggers of one object (the timer runs beside the event handlers)."""
     started = time.monotonic()
     meta = body.metadata
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     generation = int(meta.get("generation", 0))
-    lock = runtime.locks.setdefault(uid, asyncio.Lock())
     result = "ok"
     async with lock:
         try:
@@ -257,7 +258,6 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         memo.runtime = Runtime(
             catalog=default_catalog(),
             kube=KubeClient(load_credentials(options.kubeconfig)),
-            locks={},
         )
 
     @kopf.on.login(registry=registry, id="login")
@@ -328,6 +328,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                 "node": kw["node_index"],
             },
             retry_delay=options.retry_delay,
+            # kopf gives each object its own memo (dropped with the object): one lock per object.
+            lock=memo.setdefault("reconcile_lock", asyncio.Lock()),
         )
 
     @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")

@@ -1,0 +1,45 @@
+"""`davit operator|crds|cluster` dispatch and flag validation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from davit_operator.cli import operator_cli_main
+
+
+def test_crds_check_through_the_console_entry() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "davit_engine.cli", "crds", "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "up to date" in result.stdout
+
+
+def test_operator_requires_a_scope(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        operator_cli_main("operator", [])
+    assert exit_info.value.code == 2
+    assert "--namespace" in capsys.readouterr().err
+
+
+def test_operator_refuses_a_non_positive_drift_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    assert operator_cli_main("operator", ["-A", "--drift-interval", "0"]) == 2
+    assert "--drift-interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert operator_cli_main("serve", []) == 2
+    assert "not an operator command" in capsys.readouterr().err
+
+
+def test_cluster_is_forwarded_to_the_devcluster(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        operator_cli_main("cluster", ["--help"])
+    assert exit_info.value.code == 0
+    assert "up" in capsys.readouterr().out
