@@ -24,9 +24,20 @@ def test_pki_chains_to_the_ca_with_kubernetes_identities(tmp_path: Path, backend
     admin = ClientIdentity("admin", "davit-admin", ("system:masters",))
     pki = generate_pki(tmp_path, [admin], ["127.0.0.1", "10.96.0.1"], backend=backend)  # type: ignore[arg-type]
 
-    for cert in (pki.serving_cert, pki.client_cert("admin")):
+    front_proxy = pki.client_cert("front-proxy-client")
+    separate = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(pki.ca_cert), str(front_proxy)],
+        capture_output=True,
+        text=True,
+    )
+    assert separate.returncode != 0, "the front proxy must not chain to the client CA"
+    for ca, cert in (
+        (pki.ca_cert, pki.serving_cert),
+        (pki.ca_cert, pki.client_cert("admin")),
+        (pki.front_proxy_ca_cert, front_proxy),
+    ):
         verified = subprocess.run(
-            ["openssl", "verify", "-CAfile", str(pki.ca_cert), str(cert)],
+            ["openssl", "verify", "-CAfile", str(ca), str(cert)],
             capture_output=True,
             text=True,
         )

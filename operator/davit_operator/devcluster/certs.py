@@ -1,5 +1,10 @@
-"""The local cluster's PKI: a CA, the API server's serving certificate, client certificates and the
-service-account signing key pair, written as PEM files into one folder.
+"""The local cluster's PKI, written as PEM files into one folder.
+
+- ``ca``: signs the API server's serving certificate and every client certificate;
+- ``front-proxy-ca``: signs only ``front-proxy-client``, the identity the API server uses towards
+  aggregated API servers (kept apart from ``ca`` so that an ordinary client certificate can never
+  pass as the front proxy and assert arbitrary users through request headers);
+- ``sa.key``/``sa.pub``: the ServiceAccount token signing pair.
 
 ECDSA P-256 keys keep generation in the milliseconds. The ``cryptography`` package is used when it
 is importable; otherwise the ``openssl`` command line produces the same files.
@@ -16,9 +21,15 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 CA_NAME = "davit-local-ca"
+FRONT_PROXY_CA_NAME = "davit-front-proxy-ca"
+FRONT_PROXY_CLIENT = "front-proxy-client"
 # Names a client or the API server's own in-cluster endpoint may use to reach it.
 SERVING_DNS = (
     "localhost",
@@ -27,6 +38,8 @@ SERVING_DNS = (
     "kubernetes.default.svc",
     "kubernetes.default.svc.cluster.local",
 )
+CA_DAYS = 3650
+LEAF_DAYS = 365
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,10 @@ class Pki:
         return self.dir / "ca.key"
 
     @property
+    def front_proxy_ca_cert(self) -> Path:
+        return self.dir / "front-proxy-ca.crt"
+
+    @property
     def serving_cert(self) -> Path:
         return self.dir / "apiserver.crt"
 
@@ -75,49 +92,68 @@ class Pki:
         return self.dir / f"{stem}.key"
 
 
+class _Backend(Protocol):
+    def make_ca(self, stem: str, common_name: str) -> None: ...
+
+    def issue(
+        self,
+        ca_stem: str,
+        stem: str,
+        common_name: str,
+        groups: tuple[str, ...],
+        server_names: tuple[list[str], list[str]] | None,
+    ) -> None:
+        """Signs ``stem``.crt with ``ca_stem``; a serving certificate when ``server_names``
+        (DNS names, IP addresses) is given, else a client certificate."""
+
+    def key_pair(self, stem: str) -> None:
+        """Writes ``stem``.key and its public key as ``stem``.pub."""
+
+
 def generate_pki(
     directory: Path,
     clients: list[ClientIdentity],
     serving_ips: list[str],
     backend: Literal["cryptography", "openssl"] | None = None,
 ) -> Pki:
-    """Writes a fresh CA and everything signed by it into ``directory`` (created if missing).
+    """Writes fresh CAs and everything signed by them into ``directory`` (created if missing).
 
     ``backend`` None picks ``cryptography`` when importable, else the openssl command line.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    pki = Pki(directory)
     if backend is None:
         backend = "cryptography" if importlib.util.find_spec("cryptography") else "openssl"
-    if backend == "cryptography":
-        _generate_with_cryptography(pki, clients, serving_ips)
-    else:
-        if shutil.which("openssl") is None:
-            raise RuntimeError(
-                "cannot create certificates: install the Python package `cryptography` "
-                "(pip install cryptography) or the openssl command line"
-            )
-        _generate_with_openssl(pki, clients, serving_ips)
+    if backend == "openssl" and shutil.which("openssl") is None:
+        raise RuntimeError(
+            "cannot create certificates: install the Python package `cryptography` "
+            "(pip install cryptography) or the openssl command line"
+        )
+    impl: _Backend = _Cryptography(directory) if backend == "cryptography" else _OpenSsl(directory)
+    impl.make_ca("ca", CA_NAME)
+    impl.make_ca("front-proxy-ca", FRONT_PROXY_CA_NAME)
+    impl.issue("ca", "apiserver", "kube-apiserver", (), (list(SERVING_DNS), serving_ips))
+    for client in clients:
+        impl.issue("ca", client.file_stem, client.user, client.groups, None)
+    impl.issue("front-proxy-ca", FRONT_PROXY_CLIENT, FRONT_PROXY_CLIENT, (), None)
+    impl.key_pair("sa")
     for key in directory.glob("*.key"):
         key.chmod(0o600)
-    return pki
+    return Pki(directory)
 
 
-def _generate_with_cryptography(
-    pki: Pki, clients: list[ClientIdentity], serving_ips: list[str]
-) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+class _Cryptography:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.now = datetime.datetime.now(datetime.UTC)
+        # Backdated so small clock differences never make a fresh certificate "not yet valid".
+        self.not_before = self.now - datetime.timedelta(hours=1)
 
-    now = datetime.datetime.now(datetime.UTC)
-    # Backdated so small clock differences never make a fresh certificate "not yet valid".
-    not_before = now - datetime.timedelta(hours=1)
+    def _new_key(self, stem: str) -> ec.EllipticCurvePrivateKey:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
 
-    def new_key(path: Path) -> ec.EllipticCurvePrivateKey:
         key = ec.generate_private_key(ec.SECP256R1())
-        path.write_bytes(
+        (self.dir / f"{stem}.key").write_bytes(
             key.private_bytes(
                 serialization.Encoding.PEM,
                 serialization.PrivateFormat.PKCS8,
@@ -126,161 +162,163 @@ def _generate_with_cryptography(
         )
         return key
 
-    def name(common_name: str, groups: tuple[str, ...] = ()) -> x509.Name:
-        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in groups]
-        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
-        return x509.Name(attrs)
+    def _load_ca(self, stem: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
 
-    ca_key = new_key(pki.ca_key)
-    ca_name = name(CA_NAME)
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
+        key = serialization.load_pem_private_key((self.dir / f"{stem}.key").read_bytes(), None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise RuntimeError(f"{self.dir / stem}.key is not an EC key")
+        cert = x509.load_pem_x509_certificate((self.dir / f"{stem}.crt").read_bytes())
+        return key, cert
+
+    @staticmethod
+    def _key_usage(*, ca: bool) -> x509.KeyUsage:
+        from cryptography import x509
+
+        return x509.KeyUsage(
+            digital_signature=True,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=ca,
+            crl_sign=ca,
+            encipher_only=False,
+            decipher_only=False,
         )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pki.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(
-        cert_path: Path,
-        key_path: Path,
-        subject: x509.Name,
-        usage: x509.ObjectIdentifier,
-        san: x509.SubjectAlternativeName | None,
-    ) -> None:
-        key = new_key(key_path)
-        builder = (
+    def make_ca(self, stem: str, common_name: str) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.x509.oid import NameOID
+
+        key = self._new_key(stem)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        usage = self._key_usage(ca=True)
+        cert = (
             x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(ca_name)
+            .subject_name(name)
+            .issuer_name(name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(not_before)
-            .not_valid_after(now + datetime.timedelta(days=365))
+            .not_valid_before(self.not_before)
+            .not_valid_after(self.now + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(usage, critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+            .sign(key, hashes.SHA256())
+        )
+        (self.dir / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def issue(
+        self,
+        ca_stem: str,
+        stem: str,
+        common_name: str,
+        groups: tuple[str, ...],
+        server_names: tuple[list[str], list[str]] | None,
+    ) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        ca_key, ca_cert = self._load_ca(ca_stem)
+        key = self._new_key(stem)
+        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in groups]
+        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+        usage = self._key_usage(ca=False)
+        purpose = (
+            ExtendedKeyUsageOID.SERVER_AUTH if server_names else ExtendedKeyUsageOID.CLIENT_AUTH
+        )
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name(attrs))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self.not_before)
+            .not_valid_after(self.now + datetime.timedelta(days=LEAF_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(usage, critical=True)
+            .add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
             )
         )
-        if san is not None:
-            builder = builder.add_extension(san, critical=False)
+        if server_names:
+            dns, ips = server_names
+            san: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+            san += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (self.dir / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
-    san = x509.SubjectAlternativeName(
-        [x509.DNSName(d) for d in SERVING_DNS]
-        + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in serving_ips]
-    )
-    issue(
-        pki.serving_cert,
-        pki.serving_key,
-        name("kube-apiserver"),
-        ExtendedKeyUsageOID.SERVER_AUTH,
-        san,
-    )
-    for client in clients:
-        issue(
-            pki.client_cert(client.file_stem),
-            pki.client_key(client.file_stem),
-            name(client.user, client.groups),
-            ExtendedKeyUsageOID.CLIENT_AUTH,
-            None,
+    def key_pair(self, stem: str) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        key = self._new_key(stem)
+        (self.dir / f"{stem}.pub").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
         )
 
-    sa_key = new_key(pki.sa_private_key)
-    pki.sa_public_key.write_bytes(
-        sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
 
+class _OpenSsl:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
 
-def _openssl(*args: str) -> None:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {result.stderr.strip()}")
+    def _run(self, *args: str) -> None:
+        result = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {result.stderr.strip()}")
 
-
-def _generate_with_openssl(pki: Pki, clients: list[ClientIdentity], serving_ips: list[str]) -> None:
-    def new_key(path: Path) -> None:
-        _openssl(
+    def _new_key(self, stem: str) -> Path:
+        path = self.dir / f"{stem}.key"
+        self._run(
             "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(path)
         )
+        return path
 
-    new_key(pki.ca_key)
-    _openssl(
-        "req", "-x509", "-new", "-key", str(pki.ca_key), "-subj", f"/CN={CA_NAME}",
-        "-days", "3650", "-out", str(pki.ca_cert),
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,digitalSignature,keyCertSign,cRLSign",
-    )  # fmt: skip
+    def make_ca(self, stem: str, common_name: str) -> None:
+        key = self._new_key(stem)
+        self._run(
+            "req", "-x509", "-new", "-key", str(key), "-subj", f"/CN={common_name}",
+            "-days", str(CA_DAYS), "-out", str(self.dir / f"{stem}.crt"),
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,digitalSignature,keyCertSign,cRLSign",
+        )  # fmt: skip
 
-    def issue(cert: Path, key: Path, subject: str, extensions: str) -> None:
-        new_key(key)
+    def issue(
+        self,
+        ca_stem: str,
+        stem: str,
+        common_name: str,
+        groups: tuple[str, ...],
+        server_names: tuple[list[str], list[str]] | None,
+    ) -> None:
+        key = self._new_key(stem)
+        subject = "".join(f"/O={g}" for g in groups) + f"/CN={common_name}"
+        extensions = "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        if server_names:
+            dns, ips = server_names
+            alt = [f"DNS:{d}" for d in dns] + [f"IP:{ip}" for ip in ips]
+            extensions += "extendedKeyUsage=serverAuth\nsubjectAltName=" + ",".join(alt) + "\n"
+        else:
+            extensions += "extendedKeyUsage=clientAuth\n"
         with tempfile.TemporaryDirectory() as tmp:
             csr, ext = Path(tmp) / "req.csr", Path(tmp) / "ext.cnf"
             ext.write_text(extensions)
-            _openssl("req", "-new", "-key", str(key), "-subj", subject, "-out", str(csr))
-            _openssl(
-                "x509", "-req", "-in", str(csr), "-CA", str(pki.ca_cert),
-                "-CAkey", str(pki.ca_key), "-set_serial", f"0x{_random_serial()}",
-                "-days", "365", "-sha256", "-extfile", str(ext), "-out", str(cert),
+            self._run("req", "-new", "-key", str(key), "-subj", subject, "-out", str(csr))
+            self._run(
+                "x509", "-req", "-in", str(csr),
+                "-CA", str(self.dir / f"{ca_stem}.crt"), "-CAkey", str(self.dir / f"{ca_stem}.key"),
+                "-set_serial", f"0x{secrets.token_hex(16)}", "-days", str(LEAF_DAYS), "-sha256",
+                "-extfile", str(ext), "-out", str(self.dir / f"{stem}.crt"),
             )  # fmt: skip
 
-    base = "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-    alt_names = [f"DNS:{d}" for d in SERVING_DNS] + [f"IP:{ip}" for ip in serving_ips]
-    issue(
-        pki.serving_cert,
-        pki.serving_key,
-        "/CN=kube-apiserver",
-        base + "extendedKeyUsage=serverAuth\nsubjectAltName=" + ",".join(alt_names) + "\n",
-    )
-    for client in clients:
-        subject = "".join(f"/O={g}" for g in client.groups) + f"/CN={client.user}"
-        issue(
-            pki.client_cert(client.file_stem),
-            pki.client_key(client.file_stem),
-            subject,
-            base + "extendedKeyUsage=clientAuth\n",
-        )
-    new_key(pki.sa_private_key)
-    _openssl("pkey", "-in", str(pki.sa_private_key), "-pubout", "-out", str(pki.sa_public_key))
-
-
-def _random_serial() -> str:
-    return secrets.token_hex(16)
+    def key_pair(self, stem: str) -> None:
+        key = self._new_key(stem)
+        self._run("pkey", "-in", str(key), "-pubout", "-out", str(self.dir / f"{stem}.pub"))

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .certs import ClientIdentity, Pki, generate_pki
+from .certs import FRONT_PROXY_CLIENT, ClientIdentity, Pki, generate_pki
 from .nodes import DEFAULT_NODES, KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, FakeNode
 from .paths import STAGE_FILES, default_bin_dir, default_stage_dir, missing_tools
 from .process import (
@@ -341,6 +341,17 @@ class LocalCluster:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
+                # Front-proxy settings make the request-header CA public in
+                # kube-system/extension-apiserver-authentication; without them the controller
+                # manager and scheduler log an error every few seconds, and aggregated API servers
+                # could not authenticate the API server.
+                f"--requestheader-client-ca-file={pki.front_proxy_ca_cert}",
+                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki.client_cert(FRONT_PROXY_CLIENT)}",
+                f"--proxy-client-key-file={pki.client_key(FRONT_PROXY_CLIENT)}",
                 "--allow-privileged=true",
                 "--profiling=false",
                 # The API server would write the "kubernetes" Service's endpoints with its
