@@ -52,13 +52,27 @@ is_fresh() { # group version binaries...
   [ "$group" != kwok ] || [ -s "$stages/pod-ready.yaml" ]
 }
 
-need=()
-is_fresh k8s "$k8s" "${k8s_bins[@]}" || need+=(k8s)
-is_fresh etcd "$etcd" etcd || need+=(etcd)
-is_fresh kwok "$kwok" kwok || need+=(kwok)
-if [ "${#need[@]}" -eq 0 ]; then
-  log "up to date in $bin (kubernetes $k8s, etcd $etcd, kwok $kwok)"
-  exit 0
+find_needed() {
+  need=()
+  is_fresh k8s "$k8s" "${k8s_bins[@]}" || need+=(k8s)
+  is_fresh etcd "$etcd" etcd || need+=(etcd)
+  is_fresh kwok "$kwok" kwok || need+=(kwok)
+  if [ "${#need[@]}" -eq 0 ]; then
+    log "up to date in $bin (kubernetes $k8s, etcd $etcd, kwok $kwok)"
+    exit 0
+  fi
+}
+find_needed
+mkdir -p "$dest"
+# Two checkouts running `make install` at once share this cache: the second waits for the first
+# and then finds everything built.
+if command -v flock >/dev/null; then
+  exec 9>"$dest/.build.lock"
+  if ! flock -n 9; then
+    log "another build into $dest is running; waiting for it"
+    flock 9
+    find_needed
+  fi
 fi
 
 command -v go >/dev/null || die "Go is not installed; install Go >= 1.26 (for example to /usr/local/go) and put it on PATH"
