@@ -20,7 +20,6 @@ from pydantic import ValidationError
 
 from davit_operator.api import GROUP, PLURAL, VERSION
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.api.status import IMAGE_RESOLVED
 from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY, Owner, children
 from davit_operator.catalog import Catalog, default_catalog
 from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply, with_hash
@@ -83,7 +82,7 @@ def _spec_error(exc: ValidationError) -> PlanError:
         field=field,
         value=first.get("input"),
         reason="InvalidSpec",
-        condition=IMAGE_RESOLVED,
+        condition="",
         message=f"spec.{field}: {first['msg']} (the CRD schema should have refused this; "
         "is the installed CRD older than the operator?)",
     )
@@ -253,8 +252,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         settings.networking.request_timeout = 60
         settings.peering.standalone = options.peering is None
         if options.peering is not None:
+            # Needs kopf's peering resources installed; kopf picks their scope from the
+            # operator's own (namespaced or cluster-wide).
             settings.peering.name = options.peering
-            settings.peering.clusterwide = True
         memo.runtime = Runtime(
             catalog=default_catalog(),
             kube=KubeClient(load_credentials(options.kubeconfig)),

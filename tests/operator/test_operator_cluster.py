@@ -543,3 +543,17 @@ def test_deleting_the_service_collects_its_children(
         return out
 
     wait_for("garbage collection", lambda: not children_left() or None, timeout=60)
+
+
+def test_child_refused_by_the_api_server_stalls_with_its_message(
+    kube_cluster: LocalCluster, kube_namespace: str, start_operator: StartOperator
+) -> None:
+    start_operator()
+    # valueFrom is passed through untyped; the Deployment's own schema refuses this one.
+    bad_env = {"pod": {"env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"key": "t"}}}]}}
+    apply_yaml(kube_cluster, kube_namespace, [isvc("badenv", merge(CPU_SPEC, bad_env))])
+    obj = wait_condition(kube_cluster, kube_namespace, "badenv", "Stalled", "True")
+    stalled = condition(obj, "Stalled")
+    assert stalled["reason"] == "ChildRejected"
+    assert "deployments/badenv" in stalled["message"]
+    assert "env[1].valueFrom.secretKeyRef.name" in stalled["message"]

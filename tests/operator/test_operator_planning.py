@@ -344,3 +344,18 @@ def test_every_example_plans() -> None:
         spec = InferenceServiceSpec.model_validate(doc["spec"])
         p = make_plan(doc["metadata"]["name"], "ns", spec, CATALOG)
         assert (p.image.reference, p.runner.name) == EXPECTED[name], name
+
+
+def test_catalog_digest_pins_the_image(tmp_path: Path) -> None:
+    source = Path(load_catalog.__code__.co_filename).parent
+    data = yaml.safe_load((source / "engines.yaml").read_text())
+    digest = "sha256:" + "b" * 64
+    data["engines"]["vllm"]["releases"][-1]["images"]["cuda13.0"]["digest"] = digest
+    (tmp_path / "engines.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "accelerators.yaml").write_text((source / "accelerators.yaml").read_text())
+    catalog = load_catalog(tmp_path)
+    p = plan(
+        make_spec(engine={"type": "vllm", "version": "0.33.0", "imagePolicy": "Strict"}), catalog
+    )
+    assert p.image.reference == f"vllm/vllm-openai:v0.33.0rc3@{digest}"
+    assert p.image.pinned and p.image.tag == "v0.33.0rc3" and p.image.digest == digest

@@ -10,7 +10,8 @@ class PlanError(ValueError):
 
     `field` is the spec path at fault (for example `engine.variant`), `value` the offending value,
     `reason` a CamelCase condition reason, and `condition` the domain condition that reports it
-    (`ImageResolved` or `RunnerSelected`). The message says what would work instead.
+    (`ImageResolved`, `RunnerSelected`, or "" when only the kstatus conditions apply). The
+    message says what would work instead.
     """
 
     def __init__(
