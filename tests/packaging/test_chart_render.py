@@ -35,6 +35,7 @@ NAMESPACED: set[Permission] = (
 CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(
     "apiextensions.k8s.io", "customresourcedefinitions", READ
 )
+NAMESPACE_READS: set[Permission] = triples("", "namespaces", {"list", "watch"})
 PEERING: set[Permission] = triples("kopf.dev", "clusterkopfpeerings", READ | {"patch"})
 
 
@@ -89,8 +90,9 @@ def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
 def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -> None:
     objects = helm.template("watchNamespace=team-a")
     cluster_role = only(objects, "ClusterRole", "davit")
-    # Only cluster-scoped rights stay cluster-wide: a Role cannot grant nodes, CRDs or peerings.
-    assert permissions(cluster_role["rules"]) == CLUSTER_READS | PEERING
+    # Only cluster-scoped rights stay cluster-wide: a Role cannot grant nodes, CRDs, namespaces
+    # (which a namespaced kopf operator lists to learn that its namespace exists) or peerings.
+    assert permissions(cluster_role["rules"]) == CLUSTER_READS | NAMESPACE_READS | PEERING
     roles = {o["metadata"]["namespace"]: o for o in find(objects, "Role")}
     assert permissions(roles["team-a"]["rules"]) == NAMESPACED
     (binding,) = [b for b in find(objects, "RoleBinding") if b["metadata"]["namespace"] == "team-a"]

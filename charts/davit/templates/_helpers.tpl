@@ -82,7 +82,8 @@ Jobs are for the memory-profiling runs; pods are read for rollout progress. */}}
 {{- end -}}
 
 {{/* Cluster-scoped rights, needed in both modes: node reads (accelerator products and
-capacity), CRD reads (kopf discovers the resources it serves through them) and, with leader
+capacity), CRD reads (kopf discovers the resources it serves through them), namespace reads in
+single-namespace mode, and, with leader
 election, this release's ClusterKopfPeering: list/watch cover the kind (kopf watches it whole),
 get/patch only the release's own object. */}}
 {{- define "davit.clusterRules" -}}
@@ -92,6 +93,13 @@ get/patch only the release's own object. */}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
+{{- if ne .Values.watchNamespace "" }}
+{{- /* A namespaced kopf operator lists and watches namespaces to learn which of its namespaces
+exist; without the right it retries for about a minute before it starts serving. */}}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
 {{- if .Values.leaderElection.enabled }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
