@@ -101,7 +101,7 @@ for group in "${need[@]}"; do
         ldflags+=" -X $pkg.gitVersion=$k8s -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
         ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
       done
-      log "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $k8s (one go build; tens of minutes on 2 cores when the Go build cache is cold)"
+      log "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $k8s (one go build; 5-10 minutes on 2 cores when the Go build cache is cold)"
       pkgs=()
       for b in "${k8s_bins[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
       # One invocation compiles the shared packages once for all four binaries.
