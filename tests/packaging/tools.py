@@ -1,4 +1,4 @@
-"""The packaging tools (helm, kubectl, hadolint) that hack/packaging/tools.sh installs, and a thin
+"""The packaging tools (helm, kubectl, hadolint, shellcheck) that hack/packaging/tools.sh installs, and a thin
 helm wrapper that renders the chart into parsed objects."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Tools:
     helm: Path
     kubectl: Path
     hadolint: Path
+    shellcheck: Path
 
 
 def install_tools() -> Tools:
@@ -39,8 +40,8 @@ def install_tools() -> Tools:
     if result.returncode != 0:
         raise RuntimeError(f"hack/packaging/tools.sh failed:\n{result.stderr}")
     bin_dir = Path(result.stdout.strip().splitlines()[-1])
-    tools = Tools(bin_dir / "helm", bin_dir / "kubectl", bin_dir / "hadolint")
-    for path in (tools.helm, tools.kubectl, tools.hadolint):
+    tools = Tools(*(bin_dir / name for name in ("helm", "kubectl", "hadolint", "shellcheck")))
+    for path in (tools.helm, tools.kubectl, tools.hadolint, tools.shellcheck):
         if not os.access(path, os.X_OK):
             raise RuntimeError(f"tools.sh reported {bin_dir} but {path.name} is not executable")
     return tools
