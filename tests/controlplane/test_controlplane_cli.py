@@ -54,7 +54,17 @@ def test_up_status_env_down(tmp_path: Path) -> None:
         assert "gpu-h200-0" in status.stdout and "STOPPED" not in status.stdout
 
         env = _cli(state, "env")
-        assert env.stdout.strip() == f"export KUBECONFIG={kubeconfig}"
+        assert env.stdout.splitlines()[0] == f"export KUBECONFIG={kubeconfig}"
+        # What a shell does with it: eval, then a plain kubectl reaches this cluster.
+        shell = subprocess.run(
+            ["bash", "-c", 'eval "$1" && kubectl get nodes -o name', "bash", env.stdout],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        )
+        assert shell.returncode == 0, shell.stderr
+        assert len(shell.stdout.split()) == 5
     finally:
         down = _cli(state, "down")
     assert down.returncode == 0, down.stderr

@@ -8,6 +8,7 @@ nothing else), so ``export KUBECONFIG=$(python -m davit_operator.devcluster up)`
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,10 +17,14 @@ from .paths import cli_state_dir
 from .process import ClusterError
 
 
-def devcluster_main(argv: list[str]) -> int:
-    """Entry point shared by ``python -m davit_operator.devcluster`` and ``davit cluster``."""
+def devcluster_main(argv: list[str], prog: str | None = None) -> int:
+    """Entry point shared by ``python -m davit_operator.devcluster`` and ``davit cluster``.
+
+    ``argv`` excludes the program name; ``prog`` is the name shown in help and usage messages.
+    Returns the exit status.
+    """
     parser = argparse.ArgumentParser(
-        prog="python -m davit_operator.devcluster",
+        prog=prog or "python -m davit_operator.devcluster",
         description="Run a local Kubernetes control plane with fake GPU nodes (KWOK).",
     )
     parser.add_argument(
@@ -33,7 +38,10 @@ def devcluster_main(argv: list[str]) -> int:
     up.add_argument("--timeout", type=float, default=180.0, help="startup timeout in seconds")
     sub.add_parser("down", help="stop the cluster")
     sub.add_parser("status", help="report the components and nodes; exit 1 when not running")
-    sub.add_parser("env", help="print `export KUBECONFIG=...` for a shell to eval")
+    sub.add_parser(
+        "env",
+        help="print `export KUBECONFIG=...` (and PATH with the matching kubectl) for a shell to eval",
+    )
     args = parser.parse_args(argv)
     state_dir: Path = args.state_dir or cli_state_dir()
     try:
@@ -107,5 +115,6 @@ def _env(state_dir: Path) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
+    print(f'export PATH={shlex.quote(str(cluster.bin_dir))}:"$PATH"')
     return 0
