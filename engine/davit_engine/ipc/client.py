@@ -75,6 +75,7 @@ class AsyncEngineClient:
         self.core_factory = core_factory
         self.model_info: dict[str, Any] = {}
         self.dead_reason: str | None = None
+        self.latest_stats: EngineStats | None = None  # as of the core's last step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._inputs: Any = None  # multiprocessing.Queue[InputMessage]
@@ -242,6 +243,8 @@ class AsyncEngineClient:
 
     def _dispatch(self, message: OutputMessage) -> None:
         if isinstance(message, Deltas):
+            if message.stats is not None:
+                self.latest_stats = message.stats
             for delta in message.deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is None:

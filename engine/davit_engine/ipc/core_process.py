@@ -133,14 +133,15 @@ class CoreLoop:
                 logger.warning("engine core: parent process is gone, exiting")
                 return
             busy = self.core.has_unfinished_requests()
-            for message in self._receive(block=not busy):
+            messages = self._receive(block=not busy)
+            for message in messages:
                 self._handle(message)
                 if not self.running:
                     return
             if self.core.has_unfinished_requests():
-                deltas = self.core.step()
-                if deltas:
-                    self.send(Deltas(deltas))
+                self.send(Deltas(self.core.step(), self.core.stats()))
+            elif any(isinstance(m, AddRequest | AbortRequests) for m in messages):
+                self.send(Deltas([], self.core.stats()))
 
     def _receive(self, block: bool) -> list[InputMessage]:
         messages: list[InputMessage] = []

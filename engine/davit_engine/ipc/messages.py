@@ -73,9 +73,14 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Deltas:
-    """What one engine step produced, for every request that made progress."""
+    """What one engine step produced, for every request that made progress.
+
+    `stats` is the core's state right after the step (or after applying inputs while idle), so
+    the front end always knows the latest state without asking and waiting for a step to end.
+    """
 
     deltas: list[RequestDelta] = field(default_factory=list)
+    stats: EngineStats | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class EngineClientLike(Protocol):
 
     model_info: dict[str, Any]
     dead_reason: str | None
+    latest_stats: EngineStats | None
 
     @property
     def is_alive(self) -> bool: ...

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 
@@ -49,10 +48,9 @@ async def ready(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = get_state(request)
-    if state.loaded and state.client.is_alive:
-        # On failure the last snapshot stays; /health reports a dead core.
-        with contextlib.suppress(EngineDeadError, TimeoutError):
-            state.metrics.set_engine_stats(await state.client.get_stats())
+    # The core reports its state after every step: a scrape never waits for a long step.
+    if state.client.latest_stats is not None:
+        state.metrics.set_engine_stats(state.client.latest_stats)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -68,14 +66,19 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/v1/engine/info")
 async def engine_info(request: Request) -> Response:
-    """The core's ModelInfo (blocks, dtype, device, runner and why it was picked) and stats."""
+    """The core's ModelInfo (blocks, dtype, device, runner and why it was picked) and stats.
+
+    The stats are fresh: asked from the core, answered between two steps.
+    """
     state = get_state(request)
     if not state.loaded:
         raise OpenAIError(503, "the model is still loading")
     try:
-        stats = await state.client.get_stats()
-    except (EngineDeadError, TimeoutError) as exc:
-        raise OpenAIError(503, f"the engine is not answering: {exc}") from exc
+        stats = await state.client.get_stats(timeout_s=60.0)
+    except TimeoutError as exc:
+        raise OpenAIError(503, "the engine core did not answer within 60 s") from exc
+    except EngineDeadError as exc:
+        raise OpenAIError(503, f"the engine is not running: {exc}") from exc
     return JSONResponse(
         {
             "model_info": state.model_info,
