@@ -16,6 +16,7 @@ printed last. Nothing here imports the HTTP stack.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -82,7 +83,12 @@ def free_memory() -> None:
 # ---- engine driving ---------------------------------------------------------------------------
 
 
-def make_core(model: str, runner: str, eager: bool, dtype: str, **kw: Any) -> EngineCore:
+def make_core(
+    model: str, runner: str, eager: bool, dtype: str, fuse: bool = True, **kw: Any
+) -> EngineCore:
+    from davit_engine.runner.v2 import RunnerV2
+
+    RunnerV2.fuse_layers = fuse
     config = EngineConfig(
         model=model,
         dtype=dtype,  # type: ignore[arg-type]
@@ -96,7 +102,7 @@ def make_core(model: str, runner: str, eager: bool, dtype: str, **kw: Any) -> En
 
 
 def run_requests(
-    core: EngineCore, requests: list[EngineRequest], profile_steps: int = 0
+    core: EngineCore, requests: list[EngineRequest], deadline_s: float | None = None
 ) -> dict[str, Any]:
     """Drive schedule -> execute -> update until done; time the host and device parts."""
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -124,7 +130,13 @@ def run_requests(
         t_update += t3 - t2
         steps += 1
         decode_steps += all(r.num_new_tokens == 1 for r in batch.scheduled)
+        if deadline_s is not None and t3 - start > deadline_s:
+            break  # reported as partial: the figure covers only the tokens made so far
     elapsed = time.perf_counter() - start
+    partial = scheduler.has_unfinished()
+    if partial:
+        core.abort_requests([r.request_id for r in requests])
+        core.step()
     runner.execute(SchedulerOutput(finished_ids=list(outputs)))
     num_output = sum(len(v) for v in outputs.values())
     return {
@@ -132,6 +144,7 @@ def run_requests(
         "elapsed_s": round(elapsed, 3),
         "output_tokens": num_output,
         "output_tok_s": round(num_output / elapsed, 1),
+        "partial": partial,
         "steps": steps,
         "decode_steps": decode_steps,
         "first_token_s": round(first_token_at or 0.0, 4),
@@ -161,8 +174,9 @@ def random_requests(
     return reqs
 
 
-def runner_label(runner: str, eager: bool) -> str:
-    return f"{runner}-{'eager' if eager or runner == 'v1' else 'graphs'}"
+def runner_label(runner: str, eager: bool, fuse: bool = True) -> str:
+    label = f"{runner}-{'eager' if eager or runner == 'v1' else 'graphs'}"
+    return label if fuse or runner == "v1" else label + "-unfused"
 
 
 # ---- sections ---------------------------------------------------------------------------------
@@ -192,12 +206,26 @@ def section_tests(_: argparse.Namespace) -> None:
         print(proc.stdout[-6000:], flush=True)
 
 
-def section_kernels(args: argparse.Namespace) -> None:
+def graph_time_us(fn: Callable[[], Any], replays: int = 50) -> float:
+    """Median time of `fn` captured in a CUDA graph of `replays` calls (no launch gaps)."""
     from triton.testing import do_bench
 
-    from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    return 1e3 * ms / replays
 
-    bw = copy_bandwidth()
+
+def section_kernels(args: argparse.Namespace) -> None:
+    from davit_engine.kernels.layer_ops import rms_norm, rms_norm_reference, silu_mul
+    from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+    from davit_engine.kernels.sampling import SamplingTable, sample
+
+    bw = args.copy_bw
     record("copy_bandwidth", tb_s=round(bw / 1e12, 3))
     page = 16
     for label, batch, ctx in (("w1-decode", 256, 840), ("w2-decode", 1, 1152), ("b64", 64, 2048)):
@@ -210,35 +238,67 @@ def section_kernels(args: argparse.Namespace) -> None:
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
-        splits = default_num_splits(batch, hkv, ctx)
-        scale = dim**-0.5
-
-        def attend(
-            q: torch.Tensor = q,
-            cache: torch.Tensor = cache,
-            tables: torch.Tensor = tables,
-            seq_lens: torch.Tensor = seq_lens,
-            qsl: torch.Tensor = qsl,
-            splits: int = splits,
-            scale: float = scale,
-        ) -> torch.Tensor:
-            return paged_attention(q, cache, tables, seq_lens, qsl, 1, scale, splits)
-
-        ms = do_bench(attend, warmup=50, rep=200, return_mode="median")
         kv_bytes = batch * ctx * hkv * dim * 2 * 2
-        record(
-            "kernel_decode_attention",
-            shape=label,
-            batch=batch,
-            context=ctx,
-            heads=f"{hq}/{hkv}x{dim}",
-            num_splits=splits,
-            us=round(ms * 1e3, 2),
-            kv_mb=round(kv_bytes / 1e6, 1),
-            achieved_tb_s=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
-            share_of_copy_bw=round(kv_bytes / (ms * 1e-3) / bw, 3),
-        )
+        for splits in sorted({1, default_num_splits(batch, hkv, ctx), 8}):
+            us = graph_time_us(
+                functools.partial(
+                    paged_attention, q, cache, tables, seq_lens, qsl, 1, dim**-0.5, splits
+                )
+            )
+            record(
+                "kernel_decode_attention",
+                shape=label,
+                batch=batch,
+                context=ctx,
+                heads=f"{hq}/{hkv}x{dim}",
+                num_splits=splits,
+                us_in_graph=round(us, 2),
+                kv_mb=round(kv_bytes / 1e6, 1),
+                achieved_tb_s=round(kv_bytes / (us * 1e-6) / 1e12, 3),
+                share_of_copy_bw=round(kv_bytes / (us * 1e-6) / bw, 3),
+            )
         del cache
+    free_memory()
+    # sampling at W1's full batch: greedy, plain temperature, and top-p rows (whole-row path)
+    vocab, rows = 151_936, 256
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    slots = torch.arange(rows, dtype=torch.int32, device="cuda")
+    positions = torch.full((rows,), 500, dtype=torch.int32, device="cuda")
+    for name, temperature, top_p in (
+        ("greedy", 0.0, 1.0),
+        ("t=1", 1.0, 1.0),
+        ("t=1 top_p", 1.0, 0.9),
+    ):
+        table = SamplingTable(
+            temperature=torch.full((rows,), temperature, device="cuda"),
+            top_k=torch.zeros(rows, dtype=torch.int32, device="cuda"),
+            top_p=torch.full((rows,), top_p, device="cuda"),
+            min_p=torch.zeros(rows, device="cuda"),
+            seed=slots.clone(),
+        )
+        filtered = top_p < 1.0
+        draw = functools.partial(sample, logits, slots, positions, table, any_filtered=filtered)
+        us = graph_time_us(draw, 10)
+        record("kernel_sampling", rows=rows, vocab=vocab, mode=name, us_in_graph=round(us, 1))
+    del logits
+    # fused layer ops against the torch layers they replace, W1 decode shapes
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(256, 6144, device="cuda", dtype=torch.bfloat16)
+    for name, fused, plain in (
+        ("rms_norm 256x1024", lambda: rms_norm(x, w, 1e-6), lambda: rms_norm_reference(x, w, 1e-6)),
+        (
+            "silu_mul 256x3072",
+            lambda: silu_mul(gate_up),
+            lambda: torch.nn.functional.silu(gate_up[:, :3072]) * gate_up[:, 3072:],
+        ),
+    ):
+        record(
+            "kernel_layer_op",
+            op=name,
+            fused_us=round(graph_time_us(fused), 2),
+            torch_us=round(graph_time_us(plain), 2),
+        )
     free_memory()
 
 
@@ -312,19 +372,17 @@ def _hf_from_ours(core: EngineCore) -> Any:
 
 
 def section_hf(args: argparse.Namespace) -> None:
-    cases = [(args.small_model, "float32"), (args.small_model, "bfloat16")]
-    cases += [(m, "bfloat16") for m in args.hf_models]
-    for model, dtype in cases:
+    """Greedy completions against transformers `generate()` on the same weights. Where one
+    differs, the gap in transformers' own logits between its token and ours at the first
+    difference says whether it is a near-tie that rounding can flip."""
+    cases = [(args.small_model, "float32", "v2"), (args.small_model, "float32", "v1")]
+    cases += [(args.small_model, "bfloat16", "v2")]
+    cases += [(m, "bfloat16", "v2") for m in args.hf_models]
+    for model, dtype, runner in cases:
         core = make_core(
-            model,
-            "v2",
-            False,
-            dtype,
-            max_model_len=256,
-            max_num_seqs=16,
-            max_num_batched_tokens=1024,
-            gpu_memory_utilization=0.45,
-        )
+            model, runner, False, dtype, max_model_len=256, max_num_seqs=16,
+            max_num_batched_tokens=1024, gpu_memory_utilization=0.4,
+        )  # fmt: skip
         vocab = core.model_info.vocab_size
         n, in_len, out_len = 16, 64, 32
         reqs = random_requests(n, [in_len] * n, [out_len] * n, vocab, 5, temperature=0.0)
@@ -337,27 +395,36 @@ def section_hf(args: argparse.Namespace) -> None:
         # EOS ignored as on our side: no stop token, and no EOS masking (min_new_tokens would)
         hf.generation_config.eos_token_id = None
         with torch.inference_mode():
-            out = hf.generate(ids, max_new_tokens=out_len, do_sample=False, pad_token_id=0)
-        theirs = out[:, in_len:].tolist()
-        del hf, out
-        free_memory()
+            out = hf.generate(
+                ids, max_new_tokens=out_len, do_sample=False, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        theirs = out.sequences[:, in_len:].tolist()
         same = first = prefix = 0
+        gaps = []
         for i, r in enumerate(reqs):
             a, b = ours[r.request_id], theirs[i]
             same += a == b
             first += a[0] == b[0]
-            prefix += next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            j = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            prefix += j
+            if j < len(a):
+                row = out.logits[j][i].float()
+                gaps.append(float(row[b[j]] - row[a[j]]))
+        del hf, out
+        free_memory()
         record(
             "greedy_vs_transformers",
             model=model,
             dtype=dtype,
-            runner="v2-graphs",
+            runner=runner_label(runner, False),
             prompts=n,
             input_len=in_len,
             output_len=out_len,
             identical_completions=f"{same}/{n}",
             identical_first_token=f"{first}/{n}",
             mean_matching_prefix=round(prefix / n, 2),
+            logit_gap_at_first_difference=[round(g, 5) for g in sorted(gaps)],
         )
 
 
@@ -367,21 +434,23 @@ def _throughput(
     runner: str,
     eager: bool,
     reqs_fn: Callable[[int], list[EngineRequest]],
+    fuse: bool = True,
+    deadline_s: float | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
-    core = make_core(model, runner, eager, "bfloat16", **kw)
+    core = make_core(model, runner, eager, "bfloat16", fuse=fuse, **kw)
     reqs = reqs_fn(core.model_info.vocab_size)
     # warm-up: a few short requests compile every prefill kernel variant before timing
     vocab = core.model_info.vocab_size
     warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
     run_requests(core, warm)
-    res = run_requests(core, reqs)
+    res = run_requests(core, reqs, deadline_s)
     res.pop("outputs")
     runner_obj: Any = core.runner
     row = record(
         label,
         model=model,
-        runner=runner_label(runner, eager),
+        runner=runner_label(runner, eager, fuse),
         dtype="bfloat16",
         requests=len(reqs),
         graph_steps=getattr(runner_obj, "num_graph_steps", None),
@@ -395,17 +464,24 @@ def _throughput(
     return row
 
 
+def section_w1_v1(args: argparse.Namespace) -> None:
+    """W1 on runner V1, last: it is the slow path (capped by --deadline-s)."""
+    section_w1(argparse.Namespace(**{**vars(args), "w1_runners": [("v1", True, True)]}))
+
+
 def section_w1(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
     out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    for runner, eager in args.w1_runners:
+    for runner, eager, fuse in args.w1_runners:
         _throughput(
             "w1",
             args.w1_model,
             runner,
             eager,
             lambda vocab: random_requests(256, in_lens, out_lens, vocab, 0, args.temperature),
+            fuse=fuse,
+            deadline_s=args.deadline_s if runner == "v1" else None,
             max_num_seqs=256,
             max_num_batched_tokens=8192,
             max_model_len=2048,
@@ -414,13 +490,14 @@ def section_w1(args: argparse.Namespace) -> None:
 
 def section_w2(args: argparse.Namespace) -> None:
     bw = copy_bandwidth()
-    for runner, eager in args.w2_runners:
+    for runner, eager, fuse in args.w2_runners:
         row = _throughput(
             "w2",
             args.w2_model,
             runner,
             eager,
             lambda vocab: random_requests(1, [1024], [256], vocab, 0, 0.0),
+            fuse=fuse,
             max_num_seqs=8,
             max_num_batched_tokens=2048,
             max_model_len=2048,
@@ -430,13 +507,14 @@ def section_w2(args: argparse.Namespace) -> None:
         c = get_shape(args.w2_model.removeprefix("random:"))
         weight_bytes = 2 * (c.num_parameters() - c.vocab_size * c.hidden_size)
         kv_bytes = (1024 + 128) * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 2
-        floor_tok_s = bw / (weight_bytes + kv_bytes)
+        floor_tok_s = args.copy_bw / (weight_bytes + kv_bytes)
         decode_s = row["elapsed_s"] - row["first_token_s"]
         decode_tok_s = 255 / decode_s
         record(
             "w2_vs_floor",
             runner=row["runner"],
-            copy_tb_s=round(bw / 1e12, 3),
+            copy_tb_s=round(args.copy_bw / 1e12, 3),
+            copy_tb_s_this_section=round(bw / 1e12, 3),
             floor_tok_s=round(floor_tok_s, 1),
             output_tok_s=row["output_tok_s"],
             decode_tok_s=round(decode_tok_s, 1),
@@ -471,57 +549,69 @@ def section_peer(args: argparse.Namespace) -> None:
     )
 
 
-def section_profile(args: argparse.Namespace) -> None:
-    """Kernel time of eager decode steps at batch 256, context ~ 600 (the W1 middle)."""
+def _profile_decode(
+    label: str, model: str, batch: int, in_len: int, eager: bool, fuse: bool, temperature: float
+) -> None:
+    """torch.profiler over 10 decode-only steps at `batch` requests of context ~`in_len`."""
     from torch.profiler import ProfilerActivity, profile
 
-    for eager in (True, False):
-        core = make_core(
-            args.w1_model,
-            "v2",
-            eager,
-            "bfloat16",
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            max_model_len=2048,
-        )
-        vocab = core.model_info.vocab_size
-        reqs = random_requests(256, [600] * 256, [40] * 256, vocab, 3, args.temperature)
-        for req in reqs:
-            core.add_request(req)
-        sched, runner = core.scheduler, core.runner
-        steps = 0
-        while sched.has_unfinished() and steps < 12:  # prefill, then a few decode steps
-            batch = sched.schedule()
-            sched.update_from_output(batch, runner.execute(batch))
-            steps += 1
+    core = make_core(
+        model, "v2", eager, "bfloat16", fuse=fuse, max_num_seqs=max(batch, 8),
+        max_num_batched_tokens=8192, max_model_len=2048,
+    )  # fmt: skip
+    vocab = core.model_info.vocab_size
+    reqs = random_requests(batch, [in_len] * batch, [40] * batch, vocab, 3, temperature)
+    for req in reqs:
+        core.add_request(req)
+    sched, runner = core.scheduler, core.runner
+
+    def step() -> bool:
+        batch_out = sched.schedule()
+        sched.update_from_output(batch_out, runner.execute(batch_out))
+        return len(batch_out.scheduled) == batch and batch_out.num_batched_tokens == batch
+
+    decode_seen = 0
+    while decode_seen < 3:  # past the prefill, a few decode steps to warm up
+        decode_seen += step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        for _ in range(10):
+            step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            began = time.perf_counter()
-            for _ in range(10):
-                batch = sched.schedule()
-                sched.update_from_output(batch, runner.execute(batch))
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - began) / 10
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        name = f"profile_{'eager' if eager else 'graphs'}.txt"
-        (OUT / name).write_text(table)
-        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        gpu_us = sum(e.self_device_time_total for e in events) / 10
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
-        record(
-            "profile_decode_b256",
-            runner=runner_label("v2", eager),
-            wall_ms_per_step=round(wall * 1e3, 3),
-            gpu_busy_ms_per_step=round(gpu_us / 1e3, 3),
-            top_kernels={e.key[:60]: round(e.self_device_time_total / 10 / 1e3, 3) for e in top},
-        )
-        while sched.has_unfinished():
-            batch = sched.schedule()
-            sched.update_from_output(batch, runner.execute(batch))
-        core.shutdown()
-        del core
-        free_memory()
+        wall = (time.perf_counter() - began) / 10
+    averages = prof.key_averages()
+    name = f"profile_{label}_{runner_label('v2', eager, fuse)}.txt"
+    (OUT / name).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=30))
+    kernels = [e for e in averages if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_us = sum(e.self_device_time_total for e in kernels) / 10
+    launches = sum(e.count for e in kernels) / 10
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    record(
+        "profile_decode",
+        shape=label,
+        model=model,
+        batch=batch,
+        context=in_len,
+        runner=runner_label("v2", eager, fuse),
+        wall_ms_per_step=round(wall * 1e3, 3),
+        gpu_kernel_ms_per_step=round(gpu_us / 1e3, 3),
+        kernels_per_step=round(launches, 1),
+        top_kernels_ms={e.key[:50]: round(e.self_device_time_total / 10 / 1e3, 3) for e in top},
+    )
+    while sched.has_unfinished():
+        step()
+    core.shutdown()
+    del core
+    free_memory()
+
+
+def section_profile(args: argparse.Namespace) -> None:
+    """Where a decode step's time goes: W1's full batch and W2's single request."""
+    for eager, fuse in ((False, True), (True, True), (True, False)):
+        _profile_decode("w1-b256", args.w1_model, 256, 600, eager, fuse, args.temperature)
+    for eager, fuse in ((False, True), (True, True)):
+        _profile_decode("w2-b1", args.w2_model, 1, 1024, eager, fuse, 0.0)
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
@@ -530,18 +620,19 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "v1v2": section_v1v2,
     "hf": section_hf,
     "w1": section_w1,
+    "w1v1": section_w1_v1,
     "w2": section_w2,
     "peer": section_peer,
     "profile": section_profile,
 }
 
 
-def _runner_list(text: str) -> list[tuple[str, bool]]:
-    # "v2-graphs,v2-eager,v1" -> [("v2", False), ("v2", True), ("v1", True)]
+def _runner_list(text: str) -> list[tuple[str, bool, bool]]:
+    # "v2-graphs,v2-eager-unfused,v1" -> [(runner, eager, fuse), ...]
     out = []
     for item in text.split(","):
         runner, _, mode = item.partition("-")
-        out.append((runner, runner == "v1" or mode == "eager"))
+        out.append((runner, runner == "v1" or mode.startswith("eager"), "unfused" not in mode))
     return out
 
 
@@ -556,12 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w2-runners", default="v2-graphs")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
+    parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")
     args = parser.parse_args(argv)
     args.hf_models = [m for m in args.hf_models.split(",") if m]
     args.w1_runners = _runner_list(args.w1_runners)
     args.w2_runners = _runner_list(args.w2_runners)
     OUT.mkdir(parents=True, exist_ok=True)
     record("environment", **versions(), argv=sys.argv[1:])
+    # The floor uses the best copy bandwidth seen in this process (the measurement varies).
+    args.copy_bw = max(copy_bandwidth(), copy_bandwidth()) if torch.cuda.is_available() else 0.0
     for name in args.sections.split(","):
         began = time.perf_counter()
         try:

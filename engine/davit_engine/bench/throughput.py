@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_blocks": info.num_blocks,
             "block_size": info.block_size,
             "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "versions": _versions(),
         },
         "results": {
@@ -177,6 +179,10 @@ def _versions() -> dict[str, str]:
 
 def throughput_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # CPU runs share cores with other processes; OpenMP's default spin-waiting then makes
+    # multi-threaded ops up to tens of times slower. Must be set before torch loads OpenMP.
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         result = run(args)
     except ParamError as exc:
@@ -186,7 +192,7 @@ def throughput_main(argv: list[str]) -> int:
     print(
         f"model {c['model']} ({c['architecture']}, {c['num_parameters'] / 1e6:.1f}M params), "
         f"dtype {c['dtype']}, device {c['device']} ({c['device_name']}, "
-        f"{c['torch_threads']} threads), runner {c['runner']} ({c['runner_reason']}), "
+        f"{c['torch_threads']} threads, OMP_WAIT_POLICY {c['omp_wait_policy']}), runner {c['runner']} ({c['runner_reason']}), "
         f"cuda graphs {'on' if c['cuda_graphs'] else 'off'}"
     )
     print(

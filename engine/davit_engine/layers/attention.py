@@ -71,11 +71,13 @@ class AttentionMetadata:
 
 @dataclass
 class _Group:
-    """Requests padded together: `token_index [B, Lq]` selects their queries from `q`."""
+    """Requests padded together to `Lq` queries and `Lk = max_blocks * block_size` keys."""
 
-    token_index: torch.Tensor  # [B, Lq] int64 into the step's T tokens (padding -> any token)
-    valid: torch.Tensor  # [B, Lq] bool, False for padding queries
-    slot_index: torch.Tensor  # [B, Lk] int64 into the flattened cache (block * bs + offset)
+    num_queries: int  # Lq
+    token_index: torch.Tensor | None  # [B, Lq] int64 into the step's tokens; None: identity
+    src_index: torch.Tensor | None  # [N] int64: real queries within the padded [B * Lq]
+    dst_index: torch.Tensor | None  # [N] int64: their token index; None: no padding
+    block_index: torch.Tensor  # [B * max_blocks] int64 block ids, request-major
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True where the query may attend
 
 
@@ -106,29 +108,48 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        groups: list[_Group] = meta.scratch.get("torch_paged_groups") or []
-        if not groups:
+        groups: list[_Group] | None = meta.scratch.get("torch_paged_groups")
+        if groups is None:
             groups = _plan_groups(meta, int(kv_cache.shape[2]))
             meta.scratch["torch_paged_groups"] = groups
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        out = torch.empty_like(q)
+        num_tokens, num_heads, head_dim = q.shape
+        out: torch.Tensor | None = None
         for group in groups:
-            # qg: [B, Hq, Lq, D]; kg, vg: [B, Hkv, Lk, D]
-            qg = q[group.token_index].transpose(1, 2)
-            kg = flat[0][group.slot_index].transpose(1, 2)
-            vg = flat[1][group.slot_index].transpose(1, 2)
+            num_reqs = group.mask.shape[0]
+            # Whole blocks are gathered (one contiguous copy each), not single slots.
+            # kg, vg: [B, Hkv, Lk, D]
+            kg = _gather_blocks(kv_cache[0], group.block_index, num_reqs).to(q.dtype)
+            vg = _gather_blocks(kv_cache[1], group.block_index, num_reqs).to(q.dtype)
+            # qg: [B, Lq, Hq, D]; a decode-only step has one query per request, in order.
+            qg = q.unsqueeze(1) if group.token_index is None else q[group.token_index]
             og = F.scaled_dot_product_attention(
-                qg,
-                kg.to(q.dtype),
-                vg.to(q.dtype),
+                qg.transpose(1, 2),
+                kg,
+                vg,
                 attn_mask=group.mask,
                 scale=scale,
-                enable_gqa=qg.shape[1] != kg.shape[1],
-            )
-            og = og.transpose(1, 2)  # [B, Lq, Hq, D]
-            out[group.token_index[group.valid]] = og[group.valid]
+                enable_gqa=num_heads != kg.shape[1],
+            ).transpose(1, 2)  # [B, Lq, Hq, D]
+            flat_out = og.reshape(num_reqs * group.num_queries, num_heads, head_dim)
+            if len(groups) == 1 and group.dst_index is None:
+                return flat_out  # queries already in token order, no padding
+            if out is None:
+                out = torch.empty_like(q)
+            if group.dst_index is None:
+                assert group.token_index is not None
+                out.index_copy_(0, group.token_index.flatten(), flat_out)
+            else:
+                assert group.src_index is not None
+                out.index_copy_(0, group.dst_index, flat_out.index_select(0, group.src_index))
+        assert out is not None
         return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    # cache: [num_blocks, bs, Hkv, D] -> [B, Hkv, max_blocks * bs, D]
+    blocks = cache.index_select(0, block_index)  # [B * max_blocks, bs, Hkv, D]
+    _, block_size, num_kv_heads, head_dim = blocks.shape
+    return blocks.view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
@@ -136,6 +157,7 @@ def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
     qsl = meta.query_start_loc.to("cpu", torch.int64)
     seq_lens = meta.seq_lens.to("cpu", torch.int64)
     query_lens = qsl[1:] - qsl[:-1]
+    decode_only = bool((query_lens == 1).all())
     groups = []
     for rows in (
         torch.nonzero(query_lens == 1).flatten(),
@@ -146,8 +168,7 @@ def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
         q_lens = query_lens[rows]  # [B]
         s_lens = seq_lens[rows]
         max_q = int(q_lens.max())
-        max_s = int(s_lens.max())
-        max_blocks = (max_s + block_size - 1) // block_size
+        max_blocks = (int(s_lens.max()) + block_size - 1) // block_size
         steps = torch.arange(max_q)
         valid = steps[None, :] < q_lens[:, None]  # [B, Lq]
         token_index = torch.where(valid, qsl[rows][:, None] + steps[None, :], 0)
@@ -155,17 +176,19 @@ def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
         # rows keep at least one visible key (no NaN from an all-masked softmax).
         q_pos = (s_lens - q_lens)[:, None] + torch.minimum(steps[None, :], (q_lens - 1)[:, None])
         tables = meta.block_tables[rows.to(device), :max_blocks].to("cpu", torch.int64)
-        offsets = torch.arange(block_size)
-        slot_index = (tables[:, :, None] * block_size + offsets).reshape(len(rows), -1)
         key_pos = torch.arange(max_blocks * block_size)
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
             key_pos[None, None, :] < s_lens[:, None, None]
         )
+        padded = not bool(valid.all())
+        flat_valid = valid.flatten()
         groups.append(
             _Group(
-                token_index=token_index.to(device),
-                valid=valid.to(device),
-                slot_index=slot_index.to(device),
+                num_queries=max_q,
+                token_index=None if decode_only else token_index.to(device),
+                src_index=torch.nonzero(flat_valid).flatten().to(device) if padded else None,
+                dst_index=token_index.flatten()[flat_valid].to(device) if padded else None,
+                block_index=tables.flatten().to(device),
                 mask=mask.unsqueeze(1).to(device),
             )
         )

@@ -76,12 +76,20 @@ class RotaryEmbedding(nn.Module):
         self.cos_table = emb.cos().to(target)
         self.sin_table = emb.sin().to(target)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
+        """cos, sin [T, 1, D] for `positions` [T], once per step and shared by every layer."""
+        cos = self.cos_table[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_table[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def rotate(
+        rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D]; k: [T, Hkv, D]; rope: (cos, sin) [T, 1, D]
+        cos, sin = rope
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
