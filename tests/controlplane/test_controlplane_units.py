@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from cryptography import x509
@@ -15,6 +16,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from davit_operator.devcluster import DEFAULT_NODES, ClusterError, LocalCluster
 from davit_operator.devcluster.certs import ClientIdentity, generate_pki
+from davit_operator.devcluster.components import CLIENTS, Ports, component_specs
 from davit_operator.devcluster.paths import pinned_versions
 from davit_operator.devcluster.process import ProcessRecord, free_ports, process_start_ticks
 
@@ -135,3 +137,38 @@ def test_importing_the_harness_does_not_import_torch() -> None:
         check=True,
     )
     assert probe.stdout.strip() == "False"
+
+
+def test_every_listener_and_address_range_is_on_loopback(tmp_path: Path) -> None:
+    pki = generate_pki(tmp_path / "pki", list(CLIENTS), ["127.0.0.1"])
+    specs = component_specs(tmp_path / "bin", tmp_path / "stages", tmp_path, pki, Ports.pick())
+    assert [s.name for s in specs] == [
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kwok",
+    ]
+    checked = 0
+    for spec in specs:
+        urls = [spec.health_url]
+        for arg in spec.argv[1:]:
+            flag, _, value = arg.partition("=")
+            if flag == "--service-account-issuer":
+                continue  # an identifier written into tokens, never dialled
+            if "://" in value:
+                urls += [u.split("=")[-1] for u in value.split(",")]
+            elif flag in ("--bind-address", "--advertise-address", "--node-ip"):
+                assert ipaddress.ip_address(value).is_loopback, arg
+                checked += 1
+            elif flag in ("--cidr", "--service-cluster-ip-range"):
+                assert ipaddress.ip_network(value).subnet_of(ipaddress.ip_network("127.0.0.0/8"))
+                checked += 1
+            elif flag == "--server-address":
+                assert value.startswith("127.0.0.1:"), arg
+                checked += 1
+        for url in urls:
+            host = urlsplit(url).hostname
+            assert host is not None and ipaddress.ip_address(host).is_loopback, (spec.name, url)
+            checked += 1
+    assert checked >= 20

@@ -15,44 +15,38 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
 
-from .certs import FRONT_PROXY_CLIENT, ClientIdentity, Pki, generate_pki
-from .nodes import DEFAULT_NODES, KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, FakeNode
-from .paths import STAGE_FILES, default_bin_dir, default_stage_dir, missing_tools
+from .certs import generate_pki
+from .components import (
+    ADMIN,
+    CLIENTS,
+    FIRST_SERVICE_IP,
+    LOOPBACK,
+    ComponentSpec,
+    Ports,
+    component_specs,
+    kubeconfig,
+    kubeconfig_path,
+)
+from .nodes import DEFAULT_NODES, FakeNode
+from .paths import default_bin_dir, default_stage_dir, missing_tools
 from .process import (
     ClusterError,
     ProcessRecord,
-    free_ports,
     process_start_ticks,
     spawn,
     terminate,
     wait_healthy,
 )
 
-# Pod addresses stay on loopback so nothing a test does can reach a real network.
-POD_CIDR = "127.64.0.0/16"
-NODE_IP = "127.0.0.1"
-# ClusterIPs are only allocated, never routed (there is no kube-proxy); keeping them on loopback
-# means a client that tries one anyway cannot reach another machine.
-SERVICE_CIDR = "127.96.0.0/16"
-FIRST_SERVICE_IP = "127.96.0.1"
 STATE_FILE = "cluster.json"
 PORT_RACE_ATTEMPTS = 3
-
-ADMIN = ClientIdentity("admin", "davit-admin", ("system:masters",))
-CONTROLLER_MANAGER = ClientIdentity("kube-controller-manager", "system:kube-controller-manager")
-SCHEDULER = ClientIdentity("kube-scheduler", "system:kube-scheduler")
-# kwok acts as the kubelet of every fake node at once; the Node authorizer admits one node per
-# identity, so kwok runs with cluster-admin rights instead.
-KWOK = ClientIdentity("kwok", "kwok-controller", ("system:masters",))
-# Order matters: each component needs the ones before it.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 
 class LocalCluster:
@@ -269,29 +263,20 @@ class LocalCluster:
 
     def _start_components(self, deadline: float) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        etcd_dir = self.state_dir / "etcd"
-        shutil.rmtree(etcd_dir, ignore_errors=True)  # a fresh cluster every start
-        (
-            etcd_client,
-            etcd_peer,
-            apiserver_port,
-            kcm_port,
-            scheduler_port,
-            kwok_port,
-        ) = free_ports(6)
+        shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)  # a fresh cluster every start
+        ports = Ports.pick()
         pki = generate_pki(
-            self.state_dir / "pki",
-            [ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK],
-            serving_ips=["127.0.0.1", "::1", FIRST_SERVICE_IP],
+            self.state_dir / "pki", list(CLIENTS), serving_ips=[LOOPBACK, "::1", FIRST_SERVICE_IP]
         )
-        self._server = f"https://127.0.0.1:{apiserver_port}"
-        kubeconfigs = {
-            identity.file_stem: self._write_kubeconfig(pki, identity)
-            for identity in (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK)
-        }
-        self._kubeconfig = kubeconfigs[ADMIN.file_stem]
-        verified = ssl.create_default_context(cafile=str(pki.ca_cert))
-        verified.load_cert_chain(
+        self._server = f"https://{LOOPBACK}:{ports.apiserver}"
+        for identity in CLIENTS:
+            path = kubeconfig_path(self.state_dir, identity)
+            path.write_text(yaml.safe_dump(kubeconfig(self.server, pki, identity), sort_keys=False))
+            path.chmod(0o600)
+        self._kubeconfig = kubeconfig_path(self.state_dir, ADMIN)
+
+        cluster_tls = ssl.create_default_context(cafile=str(pki.ca_cert))
+        cluster_tls.load_cert_chain(
             str(pki.client_cert(ADMIN.file_stem)), str(pki.client_key(ADMIN.file_stem))
         )
         # kube-controller-manager and kube-scheduler serve /healthz with a self-signed
@@ -299,196 +284,29 @@ class LocalCluster:
         self_signed = ssl.create_default_context()
         self_signed.check_hostname = False
         self_signed.verify_mode = ssl.CERT_NONE
+        contexts = {"none": None, "cluster": cluster_tls, "self-signed": self_signed}
 
-        b = self.bin_dir
-        etcd_url = f"http://127.0.0.1:{etcd_client}"
-        peer_url = f"http://127.0.0.1:{etcd_peer}"
-        self._launch(
-            "etcd",
-            [
-                str(b / "etcd"),
-                "--name=davit",
-                f"--data-dir={etcd_dir}",
-                f"--listen-client-urls={etcd_url}",
-                f"--advertise-client-urls={etcd_url}",
-                f"--listen-peer-urls={peer_url}",
-                f"--initial-advertise-peer-urls={peer_url}",
-                f"--initial-cluster=davit={peer_url}",
-                # A throwaway cluster: durability is not worth an fsync per write.
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
-            f"{etcd_url}/health",
-            None,
-            deadline,
-            accept=lambda body: '"health":"true"' in body.replace(" ", ""),
-        )
-        kcm_kubeconfig = str(kubeconfigs[CONTROLLER_MANAGER.file_stem])
-        scheduler_kubeconfig = str(kubeconfigs[SCHEDULER.file_stem])
-        self._launch(
-            "kube-apiserver",
-            [
-                str(b / "kube-apiserver"),
-                f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={apiserver_port}",
-                f"--advertise-address={NODE_IP}",
-                f"--tls-cert-file={pki.serving_cert}",
-                f"--tls-private-key-file={pki.serving_key}",
-                f"--client-ca-file={pki.ca_cert}",
-                f"--service-account-key-file={pki.sa_public_key}",
-                f"--service-account-signing-key-file={pki.sa_private_key}",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=Node,RBAC",
-                # Front-proxy settings make the request-header CA public in
-                # kube-system/extension-apiserver-authentication; without them the controller
-                # manager and scheduler log an error every few seconds, and aggregated API servers
-                # could not authenticate the API server.
-                f"--requestheader-client-ca-file={pki.front_proxy_ca_cert}",
-                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
-                "--requestheader-username-headers=X-Remote-User",
-                "--requestheader-group-headers=X-Remote-Group",
-                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-                f"--proxy-client-cert-file={pki.client_cert(FRONT_PROXY_CLIENT)}",
-                f"--proxy-client-key-file={pki.client_key(FRONT_PROXY_CLIENT)}",
-                "--allow-privileged=true",
-                "--profiling=false",
-                # The API server would write the "kubernetes" Service's endpoints with its
-                # advertise address, which endpoint validation rejects on loopback.
-                "--endpoint-reconciler-type=none",
-                "--v=1",
-            ],
-            f"{self._server}/readyz",
-            verified,
-            deadline,
-        )
-        self._launch(
-            "kube-controller-manager",
-            [
-                str(b / "kube-controller-manager"),
-                f"--kubeconfig={kcm_kubeconfig}",
-                f"--authentication-kubeconfig={kcm_kubeconfig}",
-                f"--authorization-kubeconfig={kcm_kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={kcm_port}",
-                f"--cert-dir={self.state_dir / 'kube-controller-manager'}",
-                "--leader-elect=false",
-                "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={pki.sa_private_key}",
-                f"--root-ca-file={pki.ca_cert}",
-                f"--cluster-signing-cert-file={pki.ca_cert}",
-                f"--cluster-signing-key-file={pki.ca_key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                # Endpoint validation rejects loopback addresses, so with loopback pod IPs these
-                # controllers could only retry failing writes and flood the log and events.
-                "--controllers=*,-endpoints-controller,-endpointslice-controller,"
-                "-endpointslice-mirroring-controller",
-                "--profiling=false",
-                "--v=1",
-            ],
-            f"https://127.0.0.1:{kcm_port}/healthz",
-            self_signed,
-            deadline,
-        )
-        self._launch(
-            "kube-scheduler",
-            [
-                str(b / "kube-scheduler"),
-                f"--kubeconfig={scheduler_kubeconfig}",
-                f"--authentication-kubeconfig={scheduler_kubeconfig}",
-                f"--authorization-kubeconfig={scheduler_kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={scheduler_port}",
-                f"--cert-dir={self.state_dir / 'kube-scheduler'}",
-                "--leader-elect=false",
-                "--profiling=false",
-                "--v=1",
-            ],
-            f"https://127.0.0.1:{scheduler_port}/healthz",
-            self_signed,
-            deadline,
-        )
-        self._launch(
-            "kwok",
-            [
-                str(b / "kwok"),
-                f"--kubeconfig={kubeconfigs[KWOK.file_stem]}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={KWOK_ANNOTATION_VALUE}",
-                f"--cidr={POD_CIDR}",
-                f"--node-ip={NODE_IP}",
-                "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{kwok_port}",
-                *(f"--config={self.stage_dir / name}" for name in STAGE_FILES),
-            ],
-            f"http://127.0.0.1:{kwok_port}/healthz",
-            None,
-            deadline,
-        )
+        for spec in component_specs(self.bin_dir, self.stage_dir, self.state_dir, pki, ports):
+            self._launch(spec, contexts[spec.tls], deadline)
 
-    def _launch(
-        self,
-        name: str,
-        argv: list[str],
-        health_url: str,
-        context: ssl.SSLContext | None,
-        deadline: float,
-        accept: Callable[[str], bool] = lambda body: True,
-    ) -> None:
-        log = self.log_dir / f"{name}.log"
-        child = spawn(name, argv, log, detached=self.detached)
+    def _launch(self, spec: ComponentSpec, context: ssl.SSLContext | None, deadline: float) -> None:
+        log = self.log_dir / f"{spec.name}.log"
+        child = spawn(spec.name, list(spec.argv), log, detached=self.detached)
         self._children.append(child)
         record = ProcessRecord(
-            name=name,
+            name=spec.name,
             pid=child.pid,
             start_ticks=process_start_ticks(child.pid) or 0,
             log=str(log),
-            health_url=health_url,
+            health_url=spec.health_url,
         )
         self._records.append(record)
+        wanted = spec.healthy_body
+
+        def accept(body: str) -> bool:
+            return wanted is None or wanted in body.replace(" ", "")
+
         wait_healthy(record, context, deadline, lambda: child.poll() is None, accept)
-
-    def _write_kubeconfig(self, pki: Pki, identity: ClientIdentity) -> Path:
-        import base64
-
-        def data(path: Path) -> str:
-            return base64.b64encode(path.read_bytes()).decode()
-
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "davit-local",
-                    "cluster": {
-                        "server": self.server,
-                        "certificate-authority-data": data(pki.ca_cert),
-                    },
-                }
-            ],
-            "users": [
-                {
-                    "name": identity.user,
-                    "user": {
-                        "client-certificate-data": data(pki.client_cert(identity.file_stem)),
-                        "client-key-data": data(pki.client_key(identity.file_stem)),
-                    },
-                }
-            ],
-            "contexts": [
-                {
-                    "name": "davit-local",
-                    "context": {"cluster": "davit-local", "user": identity.user},
-                }
-            ],
-            "current-context": "davit-local",
-        }
-        name = "kubeconfig" if identity is ADMIN else f"{identity.file_stem}.kubeconfig"
-        path = self.state_dir / name
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        path.chmod(0o600)
-        return path
 
     def _register_nodes(self, deadline: float) -> None:
         # Pods are refused until the namespace's "default" ServiceAccount exists; waiting for it
