@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 _BISECT_STEPS = 32
+_SPLIT = 4096  # vocabulary slice per program on the split path
 _SEARCH_SPAN = 1000.0  # scaled-logit distance below the maximum where the searches start
 
 
@@ -59,6 +60,7 @@ def _sample_kernel(  # type: ignore[no-untyped-def]
     token_table_ptr,
     stride_logits,
     stride_token_table,
+    stride_params,
     vocab_size,
     max_model_len,
     COMMIT: tl.constexpr,
@@ -69,11 +71,66 @@ def _sample_kernel(  # type: ignore[no-untyped-def]
     row = tl.program_id(0)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     pos = tl.load(seq_lens_ptr + row)  # the position of the token drawn now
-    temperature = tl.load(temperature_ptr + slot)
-    top_k = tl.load(top_k_ptr + slot)
-    top_p = tl.load(top_p_ptr + slot)
-    min_p = tl.load(min_p_ptr + slot)
-    seed = tl.load(seed_ptr + slot).to(tl.uint32)
+    param = slot * stride_params
+    temperature = tl.load(temperature_ptr + param)
+    top_k = tl.load(top_k_ptr + param)
+    top_p = tl.load(top_p_ptr + param)
+    min_p = tl.load(min_p_ptr + param)
+    if _is_filtered(temperature, top_k, top_p, min_p, vocab_size):
+        _sample_filtered_row(
+            logits_ptr,
+            out_ptr,
+            needs_sample_ptr,
+            token_table_ptr,
+            row,
+            slot,
+            pos,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            tl.load(seed_ptr + param).to(tl.uint32),
+            stride_logits,
+            stride_token_table,
+            vocab_size,
+            max_model_len,
+            COMMIT,
+            BLOCK_V,
+            BISECT_STEPS,
+            SEARCH_SPAN,
+        )
+
+
+@triton.jit
+def _is_filtered(temperature, top_k, top_p, min_p, vocab_size):  # type: ignore[no-untyped-def]
+    # A random draw with top-k, top-p or min-p: the rows the vocabulary-split path leaves out.
+    random = (temperature > 0.0) & (top_k != 1)
+    return random & (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0))
+
+
+@triton.jit
+def _sample_filtered_row(  # type: ignore[no-untyped-def]
+    logits_ptr,
+    out_ptr,
+    needs_sample_ptr,
+    token_table_ptr,
+    row,
+    slot,
+    pos,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    seed,
+    stride_logits,
+    stride_token_table,
+    vocab_size,
+    max_model_len,
+    COMMIT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BISECT_STEPS: tl.constexpr,
+    SEARCH_SPAN: tl.constexpr,
+):
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     cols = tl.arange(0, BLOCK_V)
 
@@ -92,7 +149,7 @@ def _sample_kernel(  # type: ignore[no-untyped-def]
     greedy_token = tl.min(tl.where(best == x_max, best_idx, vocab_size), 0)
 
     token = greedy_token
-    if temperature > 0.0 and top_k != 1:
+    if temperature > 0.0:
         inv_t = 1.0 / temperature
         m = x_max * inv_t
         floor = tl.maximum(tl.min(low, 0) * inv_t, m - SEARCH_SPAN)
@@ -158,15 +215,109 @@ def _sample_kernel(  # type: ignore[no-untyped-def]
         tl.store(token_table_ptr + slot * stride_token_table + pos, token.to(tl.int32), mask=keep)
 
 
+@triton.jit
+def _sample_split_kernel(  # type: ignore[no-untyped-def]
+    logits_ptr,
+    part_score_ptr,
+    part_index_ptr,
+    row_slot_ptr,
+    seq_lens_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    seed_ptr,
+    stride_logits,
+    stride_params,
+    vocab_size,
+    num_splits,
+    SPLIT: tl.constexpr,
+):
+    # One program per (row, slice of SPLIT tokens): the slice's best greedy or Gumbel score.
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    param = tl.load(row_slot_ptr + row).to(tl.int64) * stride_params
+    temperature = tl.load(temperature_ptr + param)
+    top_k = tl.load(top_k_ptr + param)
+    idx = split * SPLIT + tl.arange(0, SPLIT)
+    valid = idx < vocab_size
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + idx, mask=valid, other=0.0)
+    if (temperature > 0.0) & (top_k != 1):
+        seed = tl.load(seed_ptr + param).to(tl.uint32)
+        pos = tl.load(seq_lens_ptr + row).to(tl.uint32)
+        x = x * (1.0 / temperature) + _gumbel(seed, pos, idx.to(tl.uint32))
+    x = tl.where(valid, x, float("-inf"))
+    best = tl.max(x, 0)
+    best_idx = tl.min(tl.where(x == best, idx, vocab_size), 0)
+    tl.store(part_score_ptr + row * num_splits + split, best)
+    tl.store(part_index_ptr + row * num_splits + split, best_idx)
+
+
+@triton.jit
+def _sample_merge_kernel(  # type: ignore[no-untyped-def]
+    part_score_ptr,
+    part_index_ptr,
+    out_ptr,
+    row_slot_ptr,
+    seq_lens_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    needs_sample_ptr,
+    token_table_ptr,
+    stride_token_table,
+    stride_params,
+    vocab_size,
+    num_splits,
+    max_model_len,
+    COMMIT: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    param = slot * stride_params
+    filtered = _is_filtered(
+        tl.load(temperature_ptr + param),
+        tl.load(top_k_ptr + param),
+        tl.load(top_p_ptr + param),
+        tl.load(min_p_ptr + param),
+        vocab_size,
+    )
+    if not filtered:
+        splits = tl.arange(0, SPLITS_PAD)
+        valid = splits < num_splits
+        score = tl.load(part_score_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))
+        index = tl.load(part_index_ptr + row * num_splits + splits, mask=valid, other=vocab_size)
+        best = tl.max(score, 0)
+        token = tl.min(tl.where(score == best, index, vocab_size), 0)
+        tl.store(out_ptr + row, token.to(tl.int64))
+        if COMMIT:
+            pos = tl.load(seq_lens_ptr + row)
+            keep = (tl.load(needs_sample_ptr + row) != 0) & (pos < max_model_len)
+            dst = token_table_ptr + slot * stride_token_table + pos
+            tl.store(dst, token.to(tl.int32), mask=keep)
+
+
 @dataclass
 class SamplingTable:
-    """Per-slot sampling parameters on the device, indexed by a row's request slot."""
+    """Per-slot sampling parameters on the device, indexed by a row's request slot.
+
+    The five vectors may be columns of one table (runner V2 keeps them so): they must share
+    one element stride, which the kernels use to index them.
+    """
 
     temperature: torch.Tensor  # [S] float32, 0 = greedy
     top_k: torch.Tensor  # [S] int32, 0 = off
     top_p: torch.Tensor  # [S] float32, 1 = off
     min_p: torch.Tensor  # [S] float32, 0 = off
     seed: torch.Tensor  # [S] int32 (the low 32 bits of the request's seed)
+
+    @property
+    def stride(self) -> int:
+        columns = (self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+        strides = {c.stride(0) for c in columns}
+        if len(strides) != 1:
+            raise ValueError(f"sampling table columns must share one stride, got {strides}")
+        return strides.pop()
 
 
 def sample(
@@ -176,9 +327,15 @@ def sample(
     table: SamplingTable,
     commit_to: torch.Tensor | None = None,  # [S, max_model_len] int32 token table
     needs_sample: torch.Tensor | None = None,  # [B] int32, rows whose draw is committed
+    any_filtered: bool = True,
 ) -> torch.Tensor:  # [B] int64
     """Draw one token per row. With `commit_to`, also store each drawn token of a row with
-    `needs_sample` at `commit_to[slot, position]`, so the next step reads it on the device."""
+    `needs_sample` at `commit_to[slot, position]`, so the next step reads it on the device.
+
+    Greedy and plain-temperature rows are split over the vocabulary (many programs per row);
+    rows with top-k, top-p or min-p need whole-row threshold searches and run one program per
+    row afterwards. `any_filtered=False` (the caller knows no row has those) skips that launch.
+    """
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
@@ -187,6 +344,48 @@ def sample(
     commit = commit_to is not None
     token_table = commit_to if commit_to is not None else out
     flags = needs_sample if needs_sample is not None else row_slot
+    stride_params = table.stride
+    num_splits = triton.cdiv(vocab_size, _SPLIT)
+    part_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    part_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    _sample_split_kernel[(num_rows, num_splits)](
+        logits,
+        part_score,
+        part_index,
+        row_slot,
+        positions,
+        table.temperature,
+        table.top_k,
+        table.seed,
+        logits.stride(0),
+        stride_params,
+        vocab_size,
+        num_splits,
+        SPLIT=_SPLIT,
+        num_warps=4,
+    )
+    _sample_merge_kernel[(num_rows,)](
+        part_score,
+        part_index,
+        out,
+        row_slot,
+        positions,
+        table.temperature,
+        table.top_k,
+        table.top_p,
+        table.min_p,
+        flags,
+        token_table,
+        token_table.stride(0) if commit else 0,
+        stride_params,
+        vocab_size,
+        num_splits,
+        token_table.shape[1] if commit else 0,
+        COMMIT=commit,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )
+    if not any_filtered:
+        return out
     _sample_kernel[(num_rows,)](
         logits,
         out,
@@ -201,6 +400,7 @@ def sample(
         token_table,
         logits.stride(0),
         token_table.stride(0) if commit else 0,
+        stride_params,
         vocab_size,
         token_table.shape[1] if commit else 0,
         COMMIT=commit,

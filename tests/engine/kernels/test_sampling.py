@@ -143,3 +143,28 @@ def test_real_vocab_matches_reference(device: torch.device) -> None:
     ours = sample(logits, slots, pos, table)
     ref = sample_reference(logits, slots, pos, table)
     assert float((ours == ref).float().mean()) >= 0.97  # float ulp ties may differ, rarely
+
+
+def test_table_columns_of_one_strided_tensor(device: torch.device) -> None:
+    """Runner V2 keeps the parameters as columns of one [S, C] table: the kernels must read
+    slot s's values at s * stride, not at s."""
+    torch.manual_seed(4)
+    params = torch.zeros(3, 5, device=device)
+    params[:, 0] = torch.tensor([0.0, 1.0, 0.0])  # temperature: slot 1 samples, 0 and 2 greedy
+    params[:, 2] = 1.0  # top_p off
+    as_int = params.view(torch.int32)
+    table = SamplingTable(
+        temperature=params[:, 0],
+        top_k=as_int[:, 1],
+        top_p=params[:, 2],
+        min_p=params[:, 3],
+        seed=as_int[:, 4],
+    )
+    assert table.stride == 5
+    logits = torch.randn(3, 300, device=device)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=device)
+    pos = torch.full((3,), 4, dtype=torch.int32, device=device)
+    out = sample(logits, slots, pos, table, any_filtered=False)
+    assert int(out[0]) == int(torch.argmax(logits[0]))
+    assert int(out[1]) == int(torch.argmax(logits[1]))
+    assert torch.equal(out, sample_reference(logits, slots, pos, table))

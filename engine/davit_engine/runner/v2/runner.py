@@ -27,6 +27,7 @@ from davit_engine.kernels.paged_attention import default_num_splits
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.loader import LoadedModel
 from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.v2.fused_layers import install_fused_layers
 from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
 from davit_engine.runner.v2.sampler import LogprobRequest, sample_step
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
@@ -89,6 +90,8 @@ class RunnerV2(ModelRunner):
     """
 
     name = "v2"
+    # Fused Triton layer kernels on CUDA (benchmarks switch this off to measure the difference).
+    fuse_layers = True
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
         self.config = config
@@ -110,6 +113,9 @@ class RunnerV2(ModelRunner):
         self._out_turn = 0
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.num_fused_layers = 0
+        if device.type == "cuda" and self.fuse_layers:
+            self.num_fused_layers = install_fused_layers(self.model)
 
     # ---- KV cache sizing ----------------------------------------------------------------------
 

@@ -75,6 +75,12 @@ def sample_step(
             max_seq_len,
         )
 
+    vocab_size = logits.shape[1]
+    any_filtered = any(
+        not r.sampling.is_greedy
+        and (0 < r.sampling.top_k < vocab_size or r.sampling.top_p < 1.0 or r.sampling.min_p > 0)
+        for r in scheduled
+    )
     tokens = sample(
         logits,
         rows.slot,
@@ -82,6 +88,7 @@ def sample_step(
         state.sampling,
         commit_to=state.token_ids,
         needs_sample=rows.needs_sample,
+        any_filtered=any_filtered,
     )
 
     logprobs = None

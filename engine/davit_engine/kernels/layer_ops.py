@@ -1,0 +1,272 @@
+"""Fused elementwise layer operations: RMSNorm, q/k norm + rotary embedding, SiLU-and-multiply.
+
+The plain-torch layers spend several kernels each (casts, powers, means, concatenations); at
+decode batch sizes every one is a few microseconds of launch and memory round trip, which adds up
+to milliseconds per step over 28-32 layers. Each op here is one kernel that keeps the reference
+layer's rounding points (an explicit cast to the activation dtype wherever the torch layer
+produces a tensor of that dtype), so results match the reference up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Where the torch layer materialises a tensor of the activation dtype.
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    num_rows,
+    num_heads,
+    stride_t,
+    stride_h,
+    eps,
+    DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, BLOCK_D)
+    row_valid = rows < num_rows
+    mask = row_valid[:, None] & (dims[None, :] < DIM)
+    src = (rows // num_heads).to(tl.int64) * stride_t + (rows % num_heads) * stride_h
+    x = tl.load(x_ptr + src[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, 1) / DIM
+    normed = _round(x * tl.rsqrt(variance + eps)[:, None], out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * DIM + dims[None, :]
+    tl.store(dst, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim of a 2-D `[T, D]` or 3-D
+    `[T, H, D]` view (last dim contiguous); returns a contiguous tensor of x's shape."""
+    assert x.stride(-1) == 1 and x.dim() in (2, 3)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dim = x.shape[-1]
+    num_heads = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.shape[0] * num_heads
+    if num_rows == 0:
+        return out
+    rows = 4 if dim > 2048 else 16
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x,
+        weight,
+        out,
+        num_rows,
+        num_heads,
+        x.stride(0),
+        x.stride(1) if x.dim() == 3 else 0,
+        eps,
+        DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim),
+        ROWS=rows,
+        num_warps=4,
+        enable_fp_fusion=False,  # no fused multiply-add: keep torch's rounding
+    )
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch layer's computation (layers/norm.py)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@triton.jit
+def _norm_rope_heads(  # type: ignore[no-untyped-def]
+    x_ptr,
+    out_ptr,
+    weight_ptr,
+    token,
+    stride_t,
+    stride_h,
+    num_heads,
+    eps,
+    c1,
+    c2,
+    s1,
+    s2,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    src = x_ptr + token.to(tl.int64) * stride_t + heads * stride_h + dims
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), rounded like the torch layer
+        variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        inv = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(weight_ptr + dims).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
+        x1 = _round(_round(x1 * inv, DTYPE) * w1, DTYPE)
+        x2 = _round(_round(x2 * inv, DTYPE) * w2, DTYPE)
+    # rotate-half: out = x * cos + cat(-x2, x1) * sin, each product materialised like torch's
+    out1 = _round(_round(x1 * c1, DTYPE) + _round(-x2 * s1, DTYPE), DTYPE)
+    out2 = _round(_round(x2 * c2, DTYPE) + _round(x1 * s2, DTYPE), DTYPE)
+    dst = out_ptr + token.to(tl.int64) * num_heads * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(dst, out1.to(DTYPE), mask=mask)
+    tl.store(dst + HALF, out2.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_rope,
+    num_q_heads,
+    num_k_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    dims = tl.arange(0, HALF)[None, :]
+    dtype = q_out_ptr.dtype.element_ty
+    row = token.to(tl.int64) * stride_rope
+    c1 = _round(tl.load(cos_ptr + row + dims).to(tl.float32), dtype)
+    c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
+    s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
+    s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
+    _norm_rope_heads(
+        q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+        c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
+    )  # fmt: skip
+    _norm_rope_heads(
+        k_ptr, k_out_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
+        c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
+    )  # fmt: skip
+
+
+def qk_norm_rope(
+    q: torch.Tensor,  # [T, Hq, D], last dim contiguous
+    k: torch.Tensor,  # [T, Hkv, D], last dim contiguous
+    cos: torch.Tensor,  # [T, D] (or [T, 1, D]), rows contiguous
+    sin: torch.Tensor,  # like cos
+    q_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm weights (Qwen3), or None
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token."""
+    num_tokens, num_q_heads, dim = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    cos = cos.reshape(num_tokens, dim)
+    sin = sin.reshape(num_tokens, dim)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
+    assert cos.stride(0) == sin.stride(0)
+    assert dim % 2 == 0 and triton.next_power_of_2(dim // 2) == dim // 2
+    has_norm = q_weight is not None and k_weight is not None
+    _qk_norm_rope_kernel[(num_tokens,)](
+        q,
+        k,
+        q_out,
+        k_out,
+        q_weight if q_weight is not None else q,
+        k_weight if k_weight is not None else k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        num_q_heads,
+        k.shape[1],
+        eps,
+        HAS_NORM=has_norm,
+        HALF=dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch layers' computation (layers/norm.py, then layers/rotary.py)."""
+    if q_weight is not None and k_weight is not None:
+        q = rms_norm_reference(q, q_weight, eps)
+        k = rms_norm_reference(k, k_weight, eps)
+    cos = cos.reshape(q.shape[0], 1, -1).to(q.dtype)
+    sin = sin.reshape(q.shape[0], 1, -1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+@triton.jit
+def _silu_mul_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    out_ptr,
+    width,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` of shape [T, 2I] (contiguous) -> [T, I]."""
+    assert gate_up.is_contiguous()
+    num_tokens, double = gate_up.shape
+    width = double // 2
+    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+        gate_up, out, width, BLOCK=block, num_warps=4, enable_fp_fusion=False
+    )
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
