@@ -36,30 +36,38 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        # Text of ids[prefix:read] has already been emitted (as part of earlier deltas).
+        # The window ids[prefix:] is decoded on each push; its first `emitted` characters are
+        # already out (the prompt context counts as out). `read` is where the window's last
+        # fully decoded state ended: the next window starts there.
         self._prefix = 0
         self._read = len(self._ids)
+        self._emitted = len(self._decode(self._ids))
         self.output_text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, self._skip_special)
 
     def push(self, new_ids: Sequence[int]) -> str:
         self._ids.extend(new_ids)
-        decode = self._tokenizer.decode
-        emitted = decode(self._ids[self._prefix : self._read], self._skip_special)
-        full = decode(self._ids[self._prefix :], self._skip_special)
-        if len(full) <= len(emitted) or full.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new, or the last character is still incomplete
-        delta = full[len(emitted) :]
-        self._prefix = self._read
-        self._read = len(self._ids)
+        full = self._decode(self._ids[self._prefix :])
+        # An incomplete trailing character decodes as U+FFFD: hold it back until it completes.
+        complete = full.rstrip(REPLACEMENT_CHAR)
+        delta = complete[self._emitted :] if len(complete) > self._emitted else ""
+        self._emitted = max(self._emitted, len(complete))
+        if len(complete) == len(full):
+            # Nothing held back: slide the window so decoding stays O(new tokens).
+            self._prefix = self._read
+            self._read = len(self._ids)
+            self._emitted = len(self._decode(self._ids[self._prefix :]))
         self.output_text += delta
         return delta
 
     def finish(self) -> str:
         """Release any held-back text (an incomplete final character becomes U+FFFD)."""
-        emitted = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip_special)
-        full = self._tokenizer.decode(self._ids[self._prefix :], self._skip_special)
-        delta = full[len(emitted) :] if len(full) > len(emitted) else ""
+        full = self._decode(self._ids[self._prefix :])
+        delta = full[self._emitted :]
         self._prefix = self._read = len(self._ids)
+        self._emitted = 0
         self.output_text += delta
         return delta
 
