@@ -571,7 +571,7 @@ def _profile_decode(
         return len(batch_out.scheduled) == batch and batch_out.num_batched_tokens == batch
 
     decode_seen = 0
-    while decode_seen < 3:  # past the prefill, a few decode steps to warm up
+    while decode_seen < 3 and sched.has_unfinished():  # past the prefill, a few decode steps
         decode_seen += step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
