@@ -142,15 +142,22 @@ def test_cached_prefix_is_not_recomputed(
 def test_preemption_under_tiny_kv_cache_keeps_exact_output(
     smollm2_gguf: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    # The eight shortest prompts (3 blocks each) all fit into 26 blocks at admission, but not
-    # once their outputs grow: the scheduler must preempt and recompute, and the tokens must
-    # come out exactly as without preemption.
-    chosen = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[:8]
+    # Eight prompts whose answers run the full MAX_NEW_TOKENS, with a KV cache that holds all
+    # their prompts at admission (plus two spare blocks) but not their grown sequences: the
+    # scheduler must preempt and recompute, and the tokens must come out exactly the same.
+    long_answers = [i for i in range(len(prompts)) if len(reference[i]) == MAX_NEW_TOKENS]
+    chosen = sorted(long_answers, key=lambda i: len(prompts[i]))[:8]
+    block = 16
+    at_admission = sum(-(-len(prompts[i]) // block) for i in chosen)
+    at_end = sum(-(-(len(prompts[i]) + MAX_NEW_TOKENS) // block) for i in chosen)
+    num_blocks = at_admission + 2
+    assert len(chosen) == 8 and at_end > num_blocks
     llm = LLM(
         str(smollm2_gguf),
         dtype="float32",
-        num_gpu_blocks=26,
-        max_num_batched_tokens=512,
+        block_size=block,
+        num_gpu_blocks=num_blocks,
+        max_num_batched_tokens=1024,
         enable_prefix_caching=False,
     )
     outputs = llm.generate(

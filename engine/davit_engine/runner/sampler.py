@@ -10,8 +10,8 @@ not depend on the sampling settings.
 
 Seeds: a row with `seed` draws its noise from its own generator seeded by (seed, number of
 tokens so far), so its output is the same whatever else is in the batch, and the same again
-after a preemption recomputes it. Sampling uses the exponential-race form: argmax(p / E) with
-E ~ Exp(1) picks token i with probability p_i.
+after a preemption recomputes it. Sampling inverts the cumulative distribution with one
+uniform number per row (cheap: no per-token noise over the vocabulary).
 """
 
 from __future__ import annotations
@@ -179,8 +179,9 @@ class Sampler:
         # logits: [R, V] -> sampled ids [R]
         device = logits.device
         params = [r.sampling for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits / temperature
+        if any(p.temperature != 1.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], device=device)
+            logits = logits / temperature.unsqueeze(1)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -192,15 +193,20 @@ class Sampler:
                 dim=-1, keepdim=True
             )
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse-CDF sampling: one uniform number per row instead of one per vocabulary entry.
+        uniform = torch.rand(len(requests), 1, device=device)
         for j, req in enumerate(requests):
             seed = req.sampling.seed
             if seed is not None:
                 generator = torch.Generator(device=device).manual_seed(
                     row_seed(seed, len(req.token_ids))
                 )
-                noise[j].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+                uniform[j] = torch.rand(1, generator=generator, device=device)
+        cdf = probs.cumsum(dim=-1)  # [R, V]
+        # Scaled by the row's total so masked (zero) mass and rounding cannot push u past it.
+        targets = uniform * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return sampled.clamp_max(probs.shape[1] - 1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
