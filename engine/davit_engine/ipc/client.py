@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -131,8 +132,10 @@ class AsyncEngineClient:
         if process is None:
             return
         if process.is_alive():
+            started = time.monotonic()
             self._send(Shutdown())
             await asyncio.to_thread(process.join, timeout_s)
+            logger.info("engine core stopped in %.1f s", time.monotonic() - started)
             if process.is_alive():
                 logger.warning("engine core did not exit in %.0f s; killing it", timeout_s)
                 process.kill()
@@ -269,8 +272,10 @@ class AsyncEngineClient:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
         elif isinstance(message, CoreFailed):
+            # The core exits right after sending this; fail waiters now rather than after the
+            # process has finished tearing down.
             self._failure_message = message.message
-            logger.error("engine core failed: %s", message.message)
+            self._mark_dead(message.message)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

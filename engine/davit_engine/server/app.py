@@ -17,12 +17,13 @@ from fastapi import FastAPI
 
 import davit_engine
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import AsyncEngineClient
+from davit_engine.ipc.client import AsyncEngineClient, EngineDeadError
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY
 from davit_engine.server.errors import install_error_handlers
 from davit_engine.server.routes import chat, completions, ops
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.tokenizer import Tokenizer
+from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +54,34 @@ def create_app(
     state = ServerState(config, settings, client, tokenizer=None)
 
     async def load() -> None:
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_loader, config))
         try:
-            tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_loader, config))
             await client.start(settings.startup_timeout_s)
             state.set_tokenizer(await tokenizer_task)
+        except (EngineDeadError, ParamError, TimeoutError) as exc:
+            # The message names what to fix (flag or file); a traceback would only bury it.
+            fail(str(exc) if not isinstance(exc, ParamError) else f"{exc.param}: {exc.message}")
         except Exception as exc:  # reported on /health and to on_fatal, never swallowed
             logger.exception("the model failed to load")
-            state.load_error = f"{type(exc).__name__}: {exc}"
-            if on_fatal is not None:
-                on_fatal(state.load_error)
-            return
-        state.loaded = True
-        logger.info(
-            "serving %s (max_model_len %s)",
-            state.model_name,
-            client.model_info.get("max_model_len"),
-        )
+            fail(f"{type(exc).__name__}: {exc}")
+        else:
+            state.loaded = True
+            logger.info(
+                "serving %s (max_model_len %s)",
+                state.model_name,
+                client.model_info.get("max_model_len"),
+            )
+        finally:
+            if not tokenizer_task.done():
+                tokenizer_task.cancel()
+            # Its outcome is part of the failure already reported, if any.
+            await asyncio.gather(tokenizer_task, return_exceptions=True)
+
+    def fail(reason: str) -> None:
+        state.load_error = reason
+        logger.error("the model failed to load: %s", reason)
+        if on_fatal is not None:
+            on_fatal(reason)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
