@@ -22,7 +22,14 @@ from davit_operator.api import GROUP, PLURAL, VERSION
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY, Owner, children
 from davit_operator.catalog import Catalog, default_catalog
-from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply, with_hash
+from davit_operator.kube import (
+    DESIRED_HASH_ANNOTATION,
+    KubeClient,
+    KubeError,
+    load_credentials,
+    needs_apply,
+    with_hash,
+)
 from davit_operator.metrics import (
     CHILD_WRITES,
     RECONCILE_DURATION,
@@ -34,6 +41,8 @@ from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
 from davit_operator.status import compute_status, status_patch
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
+# How long an own apply stands in for a watch event that has not arrived yet.
+RECENT_APPLY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -118,21 +127,40 @@ def _post_events(body: kopf.Body, old: dict[str, Any], new: dict[str, Any]) -> N
 
 
 async def _apply_children(
-    runtime: Runtime, plan: Plan, owner: Owner, indexes: dict[str, kopf.Index[Any, Any]]
+    runtime: Runtime,
+    plan: Plan,
+    owner: Owner,
+    indexes: dict[str, kopf.Index[Any, Any]],
+    recent: dict[str, tuple[str, dict[str, Any], float]],
 ) -> dict[str, Any] | None:
     """Apply what differs; delete a PodDisruptionBudget no longer wanted. Returns the live
-    Deployment (fresh from the apply when one happened, else from the index)."""
+    Deployment (fresh from the apply when one happened, else from the index).
+
+    `recent` remembers this object's own applies (kind -> hash, response, time) until the watch
+    cache shows them: a reconcile that runs before the watch event arrives must not apply again.
+    """
     key = (plan.namespace, plan.name)
     live_deployment: dict[str, Any] | None = _first(indexes["deployment"], key)
     wanted_kinds = set()
+    now = time.monotonic()
     for desired in children(plan, owner):
         kind = desired["kind"]
         wanted_kinds.add(kind)
         live = _first(indexes[kind.lower()], key)
         obj = with_hash(desired)
+        wanted_hash = obj["metadata"]["annotations"][DESIRED_HASH_ANNOTATION]
+        if kind in recent:
+            applied_hash, response, at = recent[kind]
+            if _hash_of(live) == applied_hash or now - at > RECENT_APPLY_SECONDS:
+                del recent[kind]
+            elif applied_hash == wanted_hash:
+                live = response
+                if kind == "Deployment":
+                    live_deployment = response
         if not needs_apply(obj, live):
             continue
         applied = await runtime.kube.apply(obj)
+        recent[kind] = (wanted_hash, applied, now)
         CHILD_WRITES.labels(kind=kind, action="apply").inc()
         if kind == "Deployment":
             live_deployment = applied
@@ -141,8 +169,17 @@ async def _apply_children(
         await runtime.kube.delete(
             "PodDisruptionBudget", plan.namespace, plan.name, stale["metadata"]["uid"]
         )
+        recent.pop("PodDisruptionBudget", None)
         CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
     return live_deployment
+
+
+def _hash_of(obj: dict[str, Any] | None) -> str | None:
+    if obj is None:
+        return None
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(DESIRED_HASH_ANNOTATION)
+    return str(value) if value is not None else None
 
 
 def _nodes(index: kopf.Index[Any, Any]) -> list[NodeFacts]:
@@ -163,6 +200,7 @@ async def reconcile(
     indexes: dict[str, kopf.Index[Any, Any]],
     retry_delay: float,
     lock: asyncio.Lock,
+    recent: dict[str, tuple[str, dict[str, Any], float]],
 ) -> None:
     """Level-based reconcile of one InferenceService (see module docstring). `lock` serialises
     the triggers of one object (the timer runs beside the event handlers)."""
@@ -186,7 +224,7 @@ async def reconcile(
             if plan is not None:
                 try:
                     deployment = await _apply_children(
-                        runtime, plan, Owner(name=name, uid=uid), indexes
+                        runtime, plan, Owner(name=name, uid=uid), indexes, recent
                     )
                 except KubeError as exc:
                     if exc.is_temporary:
@@ -247,9 +285,13 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         # are garbage-collected through their owner references, not by a deletion handler.
         settings.persistence.finalizer = f"{GROUP}/finalizer"
         settings.posting.level = logging.INFO
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-        settings.networking.request_timeout = 60
+        # Bounded waits everywhere: a stuck connection is dropped and retried instead of
+        # stalling the watches (and with them every handler) for minutes.
+        settings.watching.connect_timeout = 10
+        settings.watching.server_timeout = 120
+        settings.watching.client_timeout = 150
+        settings.networking.connect_timeout = 10
+        settings.networking.request_timeout = 30
         settings.peering.standalone = options.peering is None
         if options.peering is not None:
             # Needs kopf's peering resources installed; kopf picks their scope from the
@@ -330,6 +372,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             retry_delay=options.retry_delay,
             # kopf gives each object its own memo (dropped with the object): one lock per object.
             lock=memo.setdefault("reconcile_lock", asyncio.Lock()),
+            recent=memo.setdefault("recent_applies", {}),
         )
 
     @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")

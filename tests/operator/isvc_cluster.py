@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -58,6 +59,8 @@ class OperatorProcess:
             "--drift-interval",
             str(self.drift_interval),
         ]
+        if os.environ.get("DAVIT_TEST_OPERATOR_VERBOSE"):
+            argv.append("--verbose")
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
