@@ -1,0 +1,82 @@
+"""The handler's child reconciliation with a recording client: which writes happen when."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from isvc_helpers import make_spec
+
+from davit_operator.builders import Owner
+from davit_operator.catalog import load_catalog
+from davit_operator.handlers import Runtime, _apply_children
+from davit_operator.planning import make_plan
+
+CATALOG = load_catalog()
+OWNER = Owner(name="svc", uid="uid-1")
+KEY = ("ns", "svc")
+
+
+class RecordingClient:
+    """Stands in for KubeClient: records writes, answers like the API server would."""
+
+    def __init__(self) -> None:
+        self.applied: list[str] = []
+        self.deleted: list[str] = []
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(obj["kind"])
+        live = copy.deepcopy(obj)
+        live["metadata"]["uid"] = f"{obj['kind']}-uid"
+        return live
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        self.deleted.append(f"{kind}/{namespace}/{name}/{uid}")
+
+
+def _indexes(**live: dict[str, Any]) -> dict[str, Any]:
+    def index(kind: str) -> dict[Any, list[dict[str, Any]]]:
+        return {KEY: [live[kind]]} if kind in live else {}
+
+    return {kind: index(kind) for kind in ("deployment", "service", "poddisruptionbudget", "node")}
+
+
+def _run(
+    client: RecordingClient, indexes: dict[str, Any], recent: dict[str, Any], **spec: Any
+) -> None:
+    runtime = Runtime(catalog=CATALOG, kube=client)  # type: ignore[arg-type]
+    plan = make_plan("svc", "ns", make_spec(**spec), CATALOG)
+    asyncio.run(_apply_children(runtime, plan, OWNER, indexes, recent))
+
+
+def test_writes_once_even_when_the_watch_lags() -> None:
+    client = RecordingClient()
+    recent: dict[str, Any] = {}
+    _run(client, _indexes(), recent)
+    assert client.applied == ["Deployment", "Service"]
+    # The watch events have not arrived yet: the own applies stand in for them.
+    _run(client, _indexes(), recent)
+    assert client.applied == ["Deployment", "Service"]
+    deployment = recent["Deployment"][1]
+    service = recent["Service"][1]
+    # The watch caught up: no write, and the memory of the applies is dropped.
+    _run(client, _indexes(deployment=deployment, service=service), recent)
+    assert client.applied == ["Deployment", "Service"] and recent == {}
+
+    drifted = copy.deepcopy(deployment)
+    drifted["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
+    _run(client, _indexes(deployment=drifted, service=service), recent)
+    assert client.applied == ["Deployment", "Service", "Deployment"]
+
+
+def test_budget_follows_the_replica_count() -> None:
+    client = RecordingClient()
+    recent: dict[str, Any] = {}
+    _run(client, _indexes(), recent, replicas=2)
+    assert client.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    live = {kind.lower(): recent[kind][1] for kind in recent}
+    recent.clear()
+    _run(client, _indexes(**live), recent, replicas=1)
+    assert client.applied[3:] == ["Deployment"]
+    assert client.deleted == ["PodDisruptionBudget/ns/svc/PodDisruptionBudget-uid"]
