@@ -250,9 +250,15 @@ def test_pvc_gguf_and_random_sources() -> None:
     assert p.served_name == "q4"
     mount = p.invocation.model_mounts[0]
     assert (mount.claim_name, mount.mount_path) == ("models", "/models/models")
-    p = plan(make_spec(model={"source": "random://Qwen/Qwen3-0.6B", "revision": None}))
+    p = plan(make_spec(model={"source": "random://qwen3-0.6b", "revision": None}))
+    assert p.invocation.args[0] == "random:qwen3-0.6b"
+    assert "--load-format" not in p.invocation.args
+    vllm = {"type": "vllm", "version": "0.33.0"}
+    p = plan(make_spec(model={"source": "random://Qwen/Qwen3-0.6B", "revision": None}, engine=vllm))
     args = p.invocation.args
     assert args[0] == "Qwen/Qwen3-0.6B" and args[args.index("--load-format") + 1] == "dummy"
+    err = refusal(make_spec(model={"source": "random://qwen3-0.6b", "revision": None}, engine=vllm))
+    assert err.field == "model.source" and "use random://ORG/NAME" in err.message
 
 
 def test_placement_per_vendor() -> None:

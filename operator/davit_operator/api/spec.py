@@ -110,12 +110,13 @@ class ModelSpec(CrdModel):
         max_length=512,
         pattern=r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
         r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)+"
-        r"|random://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
+        r"|random://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)$",
         description=(
             "Where the weights come from: hf://ORG/NAME (a Hugging Face repository), "
             "pvc://CLAIM/PATH (a directory or file on a PersistentVolumeClaim in the same "
-            "namespace, mounted read-only), or random://ORG/NAME (random weights in the shape of "
-            "that repository's config, for benchmarks)."
+            "namespace, mounted read-only), or random://SHAPE (random weights of a shape the "
+            "engine knows, davit only) or random://ORG/NAME (random weights in the shape of that "
+            "repository's config), for benchmarks."
         ),
     )
     revision: str | None = Field(

@@ -78,7 +78,8 @@ class InferenceServiceStatus(CrdModel):
         default=None, description="Summary: COUNT x PRODUCT per replica (printer column)."
     )
     engine_args: list[str] = Field(
-        default_factory=list, description="Effective engine command line: the command followed by its arguments."
+        default_factory=list,
+        description="Effective engine command line: the command followed by its arguments.",
     )
     desired_replicas: int | None = Field(default=None, description="spec.replicas observed.")
     ready_replicas: int | None = Field(default=None, description="Replicas passing readiness.")

@@ -13,6 +13,7 @@ from typing import Any
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog import EngineInfo
+from davit_operator.planning.errors import PlanError
 from davit_operator.planning.runner import SelectedRunner
 
 ENGINE_PORT = 8000
@@ -38,8 +39,8 @@ class EngineInvocation:
 
 
 def served_name(spec: InferenceServiceSpec) -> str:
-    """model.servedName, else ORG/NAME of hf:// and random:// sources, else the file or the
-    last path element of a pvc:// source."""
+    """model.servedName, else what follows hf:// or random://, else the file or the last path
+    element of a pvc:// source."""
     if spec.model.served_name:
         return spec.model.served_name
     scheme, _, rest = spec.model.source.partition("://")
@@ -51,6 +52,9 @@ def served_name(spec: InferenceServiceSpec) -> str:
 
 def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[str], list[ModelMount]]:
     scheme, _, rest = spec.model.source.partition("://")
+    if scheme == "random" and spec.engine.type == "davit":
+        # The Davit engine builds random weights from its own named shapes.
+        return f"random:{rest}", [], []
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
         mount = ModelMount(
@@ -64,6 +68,15 @@ def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[str], list[Mo
     if spec.model.revision:
         flags += ["--revision", spec.model.revision]
     if scheme == "random":
+        if "/" not in rest:
+            raise PlanError(
+                field="model.source",
+                value=spec.model.source,
+                reason="UnsupportedSource",
+                condition="",
+                message=f"model.source {spec.model.source}: {spec.engine.type} takes random "
+                "weights in the shape of a Hugging Face repository; use random://ORG/NAME",
+            )
         # The repository only supplies the config (shape); weights are random.
         flags += ["--load-format", "dummy"]
     return rest, flags, []
@@ -95,7 +108,8 @@ def engine_invocation(
     args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
     args += model_flags
     p = spec.parallelism
-    args += ["--tensor-parallel-size", str(p.tensor)]
+    if p.tensor > 1:
+        args += ["--tensor-parallel-size", str(p.tensor)]
     if p.pipeline > 1:
         args += ["--pipeline-parallel-size", str(p.pipeline)]
     if p.data > 1:
