@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-CRD_NAMES = ("clusterkopfpeerings.kopf.dev", "inferenceservices.serving.davit.dev")
+CRD_NAMES = (
+    "clusterkopfpeerings.kopf.dev",
+    "inferenceservices.serving.davit.dev",
+    "kopfpeerings.kopf.dev",
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +87,17 @@ def test_rendered_chart_passes_server_side_dry_run(
     applied = json.loads(result.stdout)
     kinds = sorted(item["kind"] for item in applied["items"])
     expected = [
-        "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
-        "CustomResourceDefinition",
-        "CustomResourceDefinition",
+        *["CustomResourceDefinition"] * len(CRD_NAMES),
         "Deployment",
         "Service",
         "ServiceAccount",
     ]
     if mode == "single-namespace":
-        expected += ["Role", "RoleBinding"]
+        expected += ["Role", "RoleBinding", "KopfPeering"]
+    else:
+        expected += ["ClusterKopfPeering"]
     assert kinds == sorted(expected)
 
 
@@ -209,6 +213,11 @@ def test_install_upgrade_uninstall(
     assert not can_i(cluster, sa, "patch", "inferenceservices.serving.davit.dev", elsewhere)
     assert not can_i(cluster, sa, "create", "deployments.apps", elsewhere)
     assert can_i(cluster, sa, "list", "nodes", None)
+    # The peering moved with the operator's scope: a KopfPeering in the watched namespace.
+    assert can_i(cluster, sa, "patch", f"kopfpeerings.kopf.dev/{fullname}", ns)
+    assert not can_i(cluster, sa, "patch", f"clusterkopfpeerings.kopf.dev/{fullname}", None)
+    cluster.kubectl("get", "kopfpeering", fullname, f"--namespace={ns}")
+    assert cluster.kubectl("get", "clusterkopfpeering", fullname, "--ignore-not-found").stdout == ""
 
     # Uninstall removes every object the chart made, and leaves the CRDs (and so every
     # InferenceService) in place, as helm does with crds/.
@@ -229,7 +238,7 @@ def test_install_upgrade_uninstall(
         ("rolebinding", fullname, True),
         ("clusterrole", fullname, False),
         ("clusterrolebinding", fullname, False),
-        ("clusterkopfpeering", fullname, False),
+        ("kopfpeering", fullname, True),
     ]:
         args = ["get", kind, name, "--ignore-not-found", "-o", "name"]
         if namespaced:

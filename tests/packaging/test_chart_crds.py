@@ -47,20 +47,28 @@ def test_chart_crds_are_the_inference_service_and_peering_crds() -> None:
         crd = yaml.safe_load(path.read_text())
         assert crd["kind"] == "CustomResourceDefinition"
         crds[crd["metadata"]["name"]] = crd
-    assert sorted(crds) == ["clusterkopfpeerings.kopf.dev", "inferenceservices.serving.davit.dev"]
+    assert sorted(crds) == [
+        "clusterkopfpeerings.kopf.dev",
+        "inferenceservices.serving.davit.dev",
+        "kopfpeerings.kopf.dev",
+    ]
     assert "infsvc" in crds["inferenceservices.serving.davit.dev"]["spec"]["names"]["shortNames"]
-    peering = crds["clusterkopfpeerings.kopf.dev"]["spec"]
-    # kopf looks the resource up as kopf.dev/v1 clusterkopfpeerings, cluster-scoped, and keeps
-    # free-form peer records in status.
-    assert (peering["group"], peering["scope"], peering["names"]["plural"]) == (
-        "kopf.dev",
-        "Cluster",
-        "clusterkopfpeerings",
-    )
-    (version,) = peering["versions"]
-    assert version["name"] == "v1" and version["served"] and version["storage"]
-    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
-    assert status["x-kubernetes-preserve-unknown-fields"] is True
+    # kopf looks the peering resources up as kopf.dev/v1 clusterkopfpeerings (cluster-scoped) and
+    # kopfpeerings (namespaced), and keeps free-form peer records in their status.
+    for name, scope in [
+        ("clusterkopfpeerings.kopf.dev", "Cluster"),
+        ("kopfpeerings.kopf.dev", "Namespaced"),
+    ]:
+        spec = crds[name]["spec"]
+        assert (spec["group"], spec["scope"], spec["names"]["plural"]) == (
+            "kopf.dev",
+            scope,
+            name.split(".")[0],
+        )
+        (version,) = spec["versions"]
+        assert version["name"] == "v1" and version["served"] and version["storage"]
+        status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+        assert status["x-kubernetes-preserve-unknown-fields"] is True
 
 
 def make_checkout(tmp_path: Path) -> Path:
@@ -124,4 +132,4 @@ def test_sync_refuses_an_empty_source(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "crdgen" in result.stderr
     # Nothing in the chart was removed on the way.
-    assert len(list((root / "charts/davit/crds").iterdir())) == 2
+    assert len(list((root / "charts/davit/crds").iterdir())) == 3

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 __all__ = ["chart_crds"]  # the fixture, imported for this module's tests
 
-READY_TIMEOUT = 180.0
+READY_TIMEOUT = 120.0
 
 
 def free_loopback_port() -> int:
@@ -157,7 +157,10 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
         assert (owner["kind"], owner["name"]) == ("InferenceService", name)
 
         # The operator joined the peering object the chart made (one live peer: itself).
-        peering = cluster.kubectl_json("get", "clusterkopfpeering", fullname)
+        if mode == "cluster-wide":
+            peering = cluster.kubectl_json("get", "clusterkopfpeering", fullname)
+        else:
+            peering = cluster.kubectl_json("get", "kopfpeering", fullname, f"--namespace={ns}")
         assert len(peering.get("status") or {}) == 1, peering
 
         # Deleted while the operator runs, so it can release its finalizer.

@@ -36,7 +36,8 @@ CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(
     "apiextensions.k8s.io", "customresourcedefinitions", READ
 )
 NAMESPACE_READS: set[Permission] = triples("", "namespaces", {"list", "watch"})
-PEERING: set[Permission] = triples("kopf.dev", "clusterkopfpeerings", READ | {"patch"})
+CLUSTER_PEERING: set[Permission] = triples("kopf.dev", "clusterkopfpeerings", READ | {"patch"})
+NAMESPACE_PEERING: set[Permission] = triples("kopf.dev", "kopfpeerings", READ | {"patch"})
 
 
 def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
     objects = helm.template()
     assert find(objects, "Role") == []
     cluster_role = only(objects, "ClusterRole", "davit")
-    assert permissions(cluster_role["rules"]) == NAMESPACED | CLUSTER_READS | PEERING
+    assert permissions(cluster_role["rules"]) == NAMESPACED | CLUSTER_READS | CLUSTER_PEERING
     binding = only(objects, "ClusterRoleBinding", "davit")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -90,11 +91,11 @@ def test_cluster_wide_rbac_is_exactly_the_needed_set(helm: Helm) -> None:
 def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -> None:
     objects = helm.template("watchNamespace=team-a")
     cluster_role = only(objects, "ClusterRole", "davit")
-    # Only cluster-scoped rights stay cluster-wide: a Role cannot grant nodes, CRDs, namespaces
-    # (which a namespaced kopf operator lists to learn that its namespace exists) or peerings.
-    assert permissions(cluster_role["rules"]) == CLUSTER_READS | NAMESPACE_READS | PEERING
+    # Only cluster-scoped reads stay cluster-wide: a Role cannot grant nodes, CRDs or namespaces
+    # (which a namespaced kopf operator lists to learn that its namespace exists).
+    assert permissions(cluster_role["rules"]) == CLUSTER_READS | NAMESPACE_READS
     roles = {o["metadata"]["namespace"]: o for o in find(objects, "Role")}
-    assert permissions(roles["team-a"]["rules"]) == NAMESPACED
+    assert permissions(roles["team-a"]["rules"]) == NAMESPACED | NAMESPACE_PEERING
     (binding,) = [b for b in find(objects, "RoleBinding") if b["metadata"]["namespace"] == "team-a"]
     assert binding["roleRef"]["kind"] == "Role"
     assert binding["subjects"] == [
@@ -105,23 +106,31 @@ def test_single_namespace_rbac_grants_namespaced_rights_only_there(helm: Helm) -
     assert "--all-namespaces" not in args
 
 
-@pytest.mark.parametrize("mode", [[], ["watchNamespace=team-a"]])
-def test_peering_rights_cover_only_the_release_peering_object(helm: Helm, mode: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("mode", "kind", "role_kind", "namespace"),
+    [
+        ([], "ClusterKopfPeering", "ClusterRole", None),
+        (["watchNamespace=team-a"], "KopfPeering", "Role", "team-a"),
+    ],
+)
+def test_peering_matches_the_operator_scope(
+    helm: Helm, mode: list[str], kind: str, role_kind: str, namespace: str | None
+) -> None:
+    # kopf picks the peering kind from the operator's scope: cluster-wide peering for
+    # --all-namespaces, a KopfPeering in the served namespace for --namespace.
     objects = helm.template(*mode, release="prod")
-    peering = only(objects, "ClusterKopfPeering")
+    peering = only(objects, kind)
     assert peering["apiVersion"] == "kopf.dev/v1"
     assert peering["metadata"]["name"] == "prod-davit"
-    rules = [
-        r
-        for r in only(objects, "ClusterRole")["rules"]
-        if r["resources"] == ["clusterkopfpeerings"]
-    ]
+    assert peering["metadata"].get("namespace") == namespace
+    plural = kind.lower() + "s"
+    rules = [r for r in only(objects, role_kind)["rules"] if r["resources"] == [plural]]
     by_verbs = {tuple(sorted(r["verbs"])): r for r in rules}
     # Writes are limited to the release's own object; the kind is only listed and watched.
+    assert sorted(by_verbs) == [("get", "patch"), ("list", "watch")]
     assert by_verbs[("get", "patch")]["resourceNames"] == ["prod-davit"]
     assert "resourceNames" not in by_verbs[("list", "watch")]
-    args = operator_container(objects)["args"]
-    assert "--peering=prod-davit" in args
+    assert "--peering=prod-davit" in operator_container(objects)["args"]
 
 
 def test_no_peering_without_leader_election(helm: Helm) -> None:
@@ -131,6 +140,9 @@ def test_no_peering_without_leader_election(helm: Helm) -> None:
     ]
     assert not {p for p in permissions(rules) if p[0] == "kopf.dev"}
     assert find(objects, "ClusterKopfPeering") == []
+    assert (
+        find(helm.template("leaderElection.enabled=false", "watchNamespace=a"), "KopfPeering") == []
+    )
     deployment = only(objects, "Deployment")
     assert not any(a.startswith("--peering") for a in operator_container(objects)["args"])
     # Without peering an update must not run two operators side by side.
@@ -198,7 +210,7 @@ def test_replicas_and_leader_election(helm: Helm) -> None:
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     args = operator_container(objects)["args"]
     assert "--peering=davit" in args
-    assert "--drift-interval=30" in args
+    assert "--drift-interval=10" in args
     assert "--verbose" not in args
     assert "--verbose" in operator_container(helm.template("verbose=true"))["args"]
 
@@ -259,7 +271,7 @@ def test_every_namespaced_object_lands_in_its_namespace(helm: Helm) -> None:
     for obj in objects:
         if obj["kind"] in cluster_scoped:
             assert "namespace" not in obj["metadata"]
-        elif obj["kind"] in ("Role", "RoleBinding"):
+        elif obj["kind"] in ("Role", "RoleBinding", "KopfPeering"):
             assert obj["metadata"]["namespace"] in ("ops", "team-a")
         else:
             assert obj["metadata"]["namespace"] == "ops", obj["kind"]
@@ -284,6 +296,7 @@ def test_include_crds_renders_the_inference_service_crd(helm: Helm) -> None:
     assert sorted(c["metadata"]["name"] for c in crds) == [
         "clusterkopfpeerings.kopf.dev",
         "inferenceservices.serving.davit.dev",
+        "kopfpeerings.kopf.dev",
     ]
 
 

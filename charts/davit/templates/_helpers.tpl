@@ -82,10 +82,8 @@ Jobs are for the memory-profiling runs; pods are read for rollout progress. */}}
 {{- end -}}
 
 {{/* Cluster-scoped rights, needed in both modes: node reads (accelerator products and
-capacity), CRD reads (kopf discovers the resources it serves through them), namespace reads in
-single-namespace mode, and, with leader
-election, this release's ClusterKopfPeering: list/watch cover the kind (kopf watches it whole),
-get/patch only the release's own object. */}}
+capacity), CRD reads (kopf discovers the resources it serves through them) and namespace reads in
+single-namespace mode. */}}
 {{- define "davit.clusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
@@ -100,12 +98,20 @@ exist; without the right it retries for about a minute before it starts serving.
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
-{{- if .Values.leaderElection.enabled }}
+{{- end -}}
+
+{{/* kopf peering rights: the peering kind matches the operator's scope (ClusterKopfPeering for a
+cluster-wide operator, KopfPeering in the watched namespace for a namespaced one). list/watch
+cover the kind, which kopf watches whole; get/patch only the release's own object. Rendered into
+the same ClusterRole or Role as the namespaced rules. */}}
+{{- define "davit.peeringRules" -}}
+{{- $resource := ternary "clusterkopfpeerings" "kopfpeerings" (eq .Values.watchNamespace "") -}}
+{{- if .Values.leaderElection.enabled -}}
 - apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
+  resources: [{{ $resource | quote }}]
   verbs: ["list", "watch"]
 - apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
+  resources: [{{ $resource | quote }}]
   resourceNames: [{{ include "davit.fullname" . | quote }}]
   verbs: ["get", "patch"]
 {{- end }}
