@@ -43,3 +43,11 @@ def test_cluster_is_forwarded_to_the_devcluster(capsys: pytest.CaptureFixture[st
         operator_cli_main("cluster", ["--help"])
     assert exit_info.value.code == 0
     assert "up" in capsys.readouterr().out
+
+
+def test_demo_refuses_an_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
+    from davit_operator.demo import main
+
+    assert main(["no-such-example.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "no such example no-such-example.yaml" in err and "cpu-smollm2.yaml" in err
