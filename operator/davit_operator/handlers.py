@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -55,13 +56,19 @@ class OperatorOptions:
     retry_delay: float = 5.0
 
 
+def _kopf_event(body: kopf.Body, type: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type, reason=reason, message=message)
+
+
 @dataclass
 class Runtime:
     """Per-process state shared by the handlers through kopf's memo (kopf copies the operator's
-    memo into each object's memo, so every handler sees the same Runtime)."""
+    memo into each object's memo, so every handler sees the same Runtime). `post_event` is
+    kopf's event poster in the operator and a recorder in tests."""
 
     catalog: Catalog
     kube: KubeClient
+    post_event: Callable[[kopf.Body, str, str, str], None] = _kopf_event
 
 
 def _now() -> str:
@@ -97,7 +104,12 @@ def _spec_error(exc: ValidationError) -> PlanError:
     )
 
 
-def _post_events(body: kopf.Body, old: dict[str, Any], new: dict[str, Any]) -> None:
+def _post_events(
+    post: Callable[[kopf.Body, str, str, str], None],
+    body: kopf.Body,
+    old: dict[str, Any],
+    new: dict[str, Any],
+) -> None:
     """One event per state change: Ready's status or reason, Stalled's status."""
     before = {c.get("type"): c for c in old.get("conditions") or []}
     after = {c["type"]: c for c in new.get("conditions") or []}
@@ -109,21 +121,16 @@ def _post_events(body: kopf.Body, old: dict[str, Any], new: dict[str, Any]) -> N
             or prior_stalled.get("status") != "True"
             or (prior_stalled.get("reason") != stalled["reason"])
         ):
-            kopf.event(body, type="Warning", reason=stalled["reason"], message=stalled["message"])
+            post(body, "Warning", stalled["reason"], stalled["message"])
         return
     if prior_stalled and prior_stalled.get("status") == "True":
-        kopf.event(body, type="Normal", reason="Recovered", message="no longer stalled")
+        post(body, "Normal", "Recovered", "no longer stalled")
     if ready and (
         not prior_ready
         or (prior_ready.get("status"), prior_ready.get("reason"))
         != (ready["status"], ready["reason"])
     ):
-        kopf.event(
-            body,
-            type="Normal",
-            reason=ready["reason"],
-            message=f"Ready={ready['status']}: {ready['message']}",
-        )
+        post(body, "Normal", ready["reason"], f"Ready={ready['status']}: {ready['message']}")
 
 
 async def _apply_children(
@@ -255,7 +262,7 @@ async def reconcile(
                 for key, value in changes.items():
                     patch.status[key] = value
                 STATUS_WRITES.inc()
-                _post_events(body, old, new)
+                _post_events(runtime.post_event, body, old, new)
         except KubeError as exc:
             result = "retry"
             RECONCILE_ERRORS.labels(kind="api").inc()

@@ -87,7 +87,7 @@ def conditions_for(
         Cond(
             RUNNER_SELECTED,
             "True",
-            "Fallback" if plan.runner.reason.find("falling back") >= 0 else "Selected",
+            "Fallback" if plan.runner.is_fallback else "Selected",
             f"{plan.runner.name.upper()}: {plan.runner.reason}",
         ),
     ]

@@ -6,11 +6,14 @@ import asyncio
 import copy
 from typing import Any
 
-from isvc_helpers import make_spec
+import kopf
+import pytest
+from isvc_helpers import make_spec, spec_dict
 
 from davit_operator.builders import Owner
 from davit_operator.catalog import load_catalog
-from davit_operator.handlers import Runtime, _apply_children
+from davit_operator.handlers import Runtime, _apply_children, reconcile
+from davit_operator.kube import KubeError
 from davit_operator.planning import make_plan
 
 CATALOG = load_catalog()
@@ -29,6 +32,7 @@ class RecordingClient:
         self.applied.append(obj["kind"])
         live = copy.deepcopy(obj)
         live["metadata"]["uid"] = f"{obj['kind']}-uid"
+        live["metadata"]["generation"] = 1
         return live
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
@@ -80,3 +84,72 @@ def test_budget_follows_the_replica_count() -> None:
     _run(client, _indexes(**live), recent, replicas=1)
     assert client.applied[3:] == ["Deployment"]
     assert client.deleted == ["PodDisruptionBudget/ns/svc/PodDisruptionBudget-uid"]
+
+
+class FailingClient(RecordingClient):
+    def __init__(self, status: int) -> None:
+        super().__init__()
+        self.status = status
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        raise KubeError(self.status, f"PATCH deployments/{obj['metadata']['name']}: refused")
+
+
+EVENTS: list[tuple[str, str, str]] = []
+
+
+def _record(body: kopf.Body, type: str, reason: str, message: str) -> None:
+    EVENTS.append((type, reason, message))
+
+
+def _reconcile(client: RecordingClient, body: dict[str, Any]) -> kopf.Patch:
+    patch = kopf.Patch()
+    EVENTS.clear()
+    asyncio.run(
+        reconcile(
+            trigger="create",
+            runtime=Runtime(catalog=CATALOG, kube=client, post_event=_record),  # type: ignore[arg-type]
+            body=kopf.Body(body),
+            patch=patch,
+            indexes=_indexes(),
+            retry_delay=1.0,
+            lock=asyncio.Lock(),
+            recent={},
+        )
+    )
+    return patch
+
+
+BODY: dict[str, Any] = {
+    "apiVersion": "serving.davit.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "svc", "namespace": "ns", "uid": "uid-1", "generation": 3},
+    "spec": spec_dict(),
+}
+
+
+def test_api_hiccups_are_retried() -> None:
+    with pytest.raises(kopf.TemporaryError) as err:
+        _reconcile(FailingClient(503), BODY)
+    assert "API server" in str(err.value) and err.value.delay == 1.0
+
+
+def test_a_refused_child_stalls_with_the_servers_message() -> None:
+    patch = _reconcile(FailingClient(422), BODY)
+    status = patch["status"]
+    assert status["observedGeneration"] == 3
+    stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
+    assert stalled["status"] == "True" and stalled["reason"] == "ChildRejected"
+    assert "deployments/svc: refused" in stalled["message"]
+    assert [("Warning", "ChildRejected", stalled["message"])] == EVENTS
+
+
+def test_first_reconcile_writes_children_and_status() -> None:
+    client = RecordingClient()
+    patch = _reconcile(client, BODY)
+    assert client.applied == ["Deployment", "Service"]
+    status = patch["status"]
+    assert status["artifact"]["image"] == "ghcr.io/davit-dev/davit-engine:0.1.0-cuda13.0"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "RolloutPending"
+    assert [("Normal", "RolloutPending", f"Ready=False: {ready['message']}")] == EVENTS

@@ -25,9 +25,13 @@ FEATURE_FIELDS: dict[FeatureName, str] = {
 
 @dataclass(frozen=True)
 class SelectedRunner:
+    """The runner, why, whether the release deprecates it, and whether it replaced the
+    release's default because of a blocker."""
+
     name: RunnerName
     reason: str
     deprecated: bool
+    is_fallback: bool = False
 
 
 def requested_features(spec: InferenceServiceSpec) -> list[FeatureName]:
@@ -143,6 +147,7 @@ def select_runner(spec: InferenceServiceSpec, catalog: Catalog, variant: str) ->
                 reason=f"{because} by runner {release.default_runner.upper()}; falling back to "
                 f"{runner.upper()}" + (" (deprecated)" if deprecated else ""),
                 deprecated=deprecated,
+                is_fallback=True,
             )
     fields = sorted({field for field, _ in default_problems})
     missing = [r for r in ("v1", "v2") if r not in release.runners]
