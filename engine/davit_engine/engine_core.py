@@ -108,6 +108,9 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue a tokenized request (ParamError / QueueFullError on refusal)."""
         req.sampling.validate(self.config.max_logprobs)
+        if req.sampling.prompt_logprobs is not None:
+            # RunnerOutput has no field for per-prompt-token logprobs yet.
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported by this engine")
         if req.sampling.logits_processors:
             if self.model_info.runner != "v1":
                 raise ParamError(

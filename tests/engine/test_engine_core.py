@@ -48,6 +48,7 @@ def test_model_info(core: EngineCore) -> None:
         (request("g", [1, 2], stop_token_ids=(9999,)), "stop_token_ids"),
         (request("h", [1, 2], logits_processors=("missing",)), "logits_processors"),
         (request("i", [1, 2], logprobs=21), "logprobs"),
+        (request("j", [1, 2], prompt_logprobs=1), "prompt_logprobs"),
     ],
 )
 def test_bad_requests_name_the_field(core: EngineCore, req: EngineRequest, param: str) -> None:

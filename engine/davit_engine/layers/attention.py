@@ -118,8 +118,7 @@ class TorchPagedAttention:
             num_reqs = group.mask.shape[0]
             # Whole blocks are gathered (one contiguous copy each), not single slots.
             # kg, vg: [B, Hkv, Lk, D]
-            kg = _gather_blocks(kv_cache[0], group.block_index, num_reqs).to(q.dtype)
-            vg = _gather_blocks(kv_cache[1], group.block_index, num_reqs).to(q.dtype)
+            kg, vg = _gather_blocks(kv_cache, group.block_index, num_reqs, q.dtype)
             # qg: [B, Lq, Hq, D]; a decode-only step has one query per request, in order.
             qg = q.unsqueeze(1) if group.token_index is None else q[group.token_index]
             og = F.scaled_dot_product_attention(
@@ -145,11 +144,14 @@ class TorchPagedAttention:
         return out
 
 
-def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    # cache: [num_blocks, bs, Hkv, D] -> [B, Hkv, max_blocks * bs, D]
-    blocks = cache.index_select(0, block_index)  # [B * max_blocks, bs, Hkv, D]
-    _, block_size, num_kv_heads, head_dim = blocks.shape
-    return blocks.view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # kv_cache: [2, num_blocks, bs, Hkv, D] -> keys, values: [B, Hkv, max_blocks * bs, D]
+    blocks = kv_cache.index_select(1, block_index).to(dtype)  # [2, B * max_blocks, bs, Hkv, D]
+    _, _, _, num_kv_heads, head_dim = blocks.shape
+    kv = blocks.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)
+    return kv[0], kv[1]
 
 
 def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:
