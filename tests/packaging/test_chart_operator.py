@@ -1,10 +1,10 @@
 """The operator the chart describes, run for real with exactly the chart's permissions.
 
 KWOK pods run no containers, so the operator Deployment the chart installs never executes code.
-This test runs `davit operator` as a local process instead, with the arguments the chart renders
-and a token of the chart's ServiceAccount, applies the InferenceService from NOTES.txt and waits
-until the operator reports it Ready: any permission the chart forgot shows up as a failed
-reconcile or a Forbidden line in the operator's log."""
+These tests run `davit operator` as local processes instead, with the arguments the chart renders
+and a token of the chart's ServiceAccount: any permission the chart forgot shows up as a failed
+reconcile or a Forbidden line in the operator's log, and the peering object the chart creates is
+the one the processes coordinate through."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,14 @@ def free_loopback_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = READY_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
 
 
 def service_account_kubeconfig(
@@ -67,23 +76,133 @@ def service_account_kubeconfig(
     return path
 
 
-def local_args(chart_args: list[str], liveness_port: int) -> list[str]:
-    """The chart's arguments with the listeners moved to loopback (metrics off: its server
-    binds every interface)."""
-    kept = [a for a in chart_args if not a.startswith(("--metrics-port", "--liveness"))]
-    return [*kept, "--metrics-port=0", f"--liveness=http://127.0.0.1:{liveness_port}/healthz"]
+@dataclass
+class Release:
+    """An installed chart release and what a local operator process needs to act as its pod."""
+
+    name: str
+    fullname: str
+    namespace: str
+    args: list[str]
+    kubeconfig: Path
+
+
+@dataclass
+class LocalOperator:
+    """`davit operator` as a local process with the chart's arguments, listeners on loopback
+    (metrics off: its server binds every interface) and the ServiceAccount's credentials."""
+
+    release: Release
+    log: Path
+    liveness_port: int
+    proc: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, release: Release, log: Path) -> LocalOperator:
+        port = free_loopback_port()
+        kept = [a for a in release.args if not a.startswith(("--metrics-port", "--liveness"))]
+        argv = [
+            sys.executable,
+            "-m",
+            "davit_engine.cli",
+            "operator",
+            *kept,
+            "--metrics-port=0",
+            f"--liveness=http://127.0.0.1:{port}/healthz",
+        ]
+        # KUBECONFIG is how the process finds its credentials (the pod uses in-cluster config).
+        env = {**os.environ, "KUBECONFIG": str(release.kubeconfig)}
+        with log.open("w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return cls(release, log, port, proc)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def text(self) -> str:
+        return self.log.read_text()
 
 
 @pytest.fixture
-def operator_log(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "operator.log"
-    yield path
-    if path.exists():
-        sys.stderr.write(f"--- operator log ({path}) ---\n{path.read_text()[-4000:]}\n")
+def operators(tmp_path: Path) -> Iterator[list[LocalOperator]]:
+    """Started operators; stopped afterwards, with their logs shown when a test fails."""
+    started: list[LocalOperator] = []
+    yield started
+    for op in started:
+        op.stop()
+        sys.stderr.write(f"--- {op.log.name} ---\n{op.text()[-4000:]}\n")
 
 
-def conditions(obj: dict[str, Any]) -> dict[str, str]:
-    return {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions") or []}
+def install(
+    helm: Helm, cluster: LocalCluster, namespace: str, tmp_path: Path, *set_args: str
+) -> Release:
+    name = f"o{uuid.uuid4().hex[:8]}"
+    fullname = f"{name}-davit"
+    helm_install(helm, cluster, "install", name, namespace, *set_args)
+    (container,) = wait_available(cluster, namespace, fullname)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    kubeconfig = service_account_kubeconfig(
+        cluster, namespace, fullname, tmp_path / f"{fullname}.kubeconfig"
+    )
+    return Release(name, fullname, namespace, container["args"], kubeconfig)
+
+
+def apply_notes_example(helm: Helm, cluster: LocalCluster, release: Release) -> str:
+    notes = helm.run(
+        "get",
+        "notes",
+        release.name,
+        f"--namespace={release.namespace}",
+        kubeconfig=cluster.kubeconfig,
+    )
+    assert notes.returncode == 0, notes.stderr
+    example = yaml.safe_load(notes_example(notes.stdout))
+    cluster.kubectl(
+        "apply", f"--namespace={release.namespace}", "-f", "-", input=json.dumps(example)
+    )
+    return str(example["metadata"]["name"])
+
+
+def inference_service(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = cluster.kubectl_json(
+        "get", "inferenceservice", name, f"--namespace={namespace}"
+    )
+    return obj
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    status = obj.get("status") or {}
+    ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready"]
+    return (
+        bool(ready)
+        and ready[0]["status"] == "True"
+        and status.get("observedGeneration") == obj["metadata"]["generation"]
+    )
+
+
+def peers(cluster: LocalCluster, release: Release, cluster_wide: bool) -> dict[str, Any]:
+    if cluster_wide:
+        obj = cluster.kubectl_json("get", "clusterkopfpeering", release.fullname)
+    else:
+        obj = cluster.kubectl_json(
+            "get", "kopfpeering", release.fullname, f"--namespace={release.namespace}"
+        )
+    return dict(obj.get("status") or {})
+
+
+def assert_no_permission_errors(op: LocalOperator) -> None:
+    text = op.text()
+    assert "Forbidden" not in text and "Not enough permissions" not in text, text[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["cluster-wide", "single-namespace"])
@@ -93,89 +212,91 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
     chart_crds: None,
     helm: Helm,
     tmp_path: Path,
-    operator_log: Path,
+    operators: list[LocalOperator],
     mode: str,
 ) -> None:
     cluster, ns = kube_cluster, kube_namespace
-    release = f"o{uuid.uuid4().hex[:8]}"
-    fullname = f"{release}-davit"
-    set_args = [f"watchNamespace={ns}"] if mode == "single-namespace" else []
-    helm_install(helm, cluster, "install", release, ns, *set_args)
-    deployment = wait_available(cluster, ns, fullname)
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    kubeconfig = service_account_kubeconfig(cluster, ns, fullname, tmp_path / "sa.kubeconfig")
-    liveness_port = free_loopback_port()
+    cluster_wide = mode == "cluster-wide"
+    release = install(
+        helm, cluster, ns, tmp_path, *([] if cluster_wide else [f"watchNamespace={ns}"])
+    )
+    op = LocalOperator.start(release, tmp_path / "operator.log")
+    operators.append(op)
 
-    # KUBECONFIG is how the chart's pod would find credentials too (in-cluster config aside).
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    with operator_log.open("w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "davit_engine.cli",
-                "operator",
-                *local_args(container["args"], liveness_port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        notes = helm.run(
-            "get", "notes", release, f"--namespace={ns}", kubeconfig=cluster.kubeconfig
-        )
-        assert notes.returncode == 0, notes.stderr
-        example = yaml.safe_load(notes_example(notes.stdout))
-        name = example["metadata"]["name"]
-        cluster.kubectl("apply", f"--namespace={ns}", "-f", "-", input=json.dumps(example))
+    name = apply_notes_example(helm, cluster, release)
+    wait_for(f"{name} to become Ready", lambda: is_ready(inference_service(cluster, ns, name)))
+    assert op.alive()
 
-        deadline = time.monotonic() + READY_TIMEOUT
-        isvc: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"the operator exited with {proc.returncode}"
-            isvc = cluster.kubectl_json("get", "inferenceservice", name, f"--namespace={ns}")
-            status = isvc.get("status") or {}
-            if (
-                conditions(isvc).get("Ready") == "True"
-                and status.get("observedGeneration") == isvc["metadata"]["generation"]
-            ):
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"{name} did not become Ready: {json.dumps(isvc.get('status'))}")
+    # kopf's liveness endpoint answers where the chart's probes look for it.
+    with urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5) as r:
+        assert r.status == 200
+    # The children the NOTES rely on: a Service on port 8000 in front of a Deployment.
+    service = cluster.kubectl_json("get", "service", name, f"--namespace={ns}")
+    assert [p["port"] for p in service["spec"]["ports"]] == [8000]
+    child = cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")
+    (owner,) = child["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("InferenceService", name)
+    # The operator joined the peering object the chart made (one live peer: itself).
+    assert len(peers(cluster, release, cluster_wide)) == 1
 
-        # kopf's liveness endpoint answers where the chart's probes look for it.
-        with urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=5) as r:
-            assert r.status == 200
+    # Deleted while the operator runs, so it can release its finalizer.
+    cluster.kubectl("delete", "inferenceservice", name, f"--namespace={ns}", "--timeout=60s")
+    op.stop()
+    assert_no_permission_errors(op)
 
-        # The children the NOTES rely on: a Service on port 8000 in front of a Deployment.
-        service = cluster.kubectl_json("get", "service", name, f"--namespace={ns}")
-        assert [p["port"] for p in service["spec"]["ports"]] == [8000]
-        child = cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")
-        (owner,) = child["metadata"]["ownerReferences"]
-        assert (owner["kind"], owner["name"]) == ("InferenceService", name)
 
-        # The operator joined the peering object the chart made (one live peer: itself).
-        if mode == "cluster-wide":
-            peering = cluster.kubectl_json("get", "clusterkopfpeering", fullname)
-        else:
-            peering = cluster.kubectl_json("get", "kopfpeering", fullname, f"--namespace={ns}")
-        assert len(peering.get("status") or {}) == 1, peering
+def test_peering_hands_over_between_overlapping_operators(
+    kube_cluster: LocalCluster,
+    kube_namespace: str,
+    chart_crds: None,
+    helm: Helm,
+    tmp_path: Path,
+    operators: list[LocalOperator],
+) -> None:
+    """What a rolling update of the chart's Deployment does: a second operator joins while the
+    first still runs; no reconcile happens while both are alive, and the second takes over as
+    soon as the first leaves."""
+    cluster, ns = kube_cluster, kube_namespace
+    release = install(helm, cluster, ns, tmp_path, f"watchNamespace={ns}")
+    old = LocalOperator.start(release, tmp_path / "old-operator.log")
+    operators.append(old)
+    name = apply_notes_example(helm, cluster, release)
+    wait_for(f"{name} to become Ready", lambda: is_ready(inference_service(cluster, ns, name)))
 
-        # Deleted while the operator runs, so it can release its finalizer.
-        cluster.kubectl(
-            "delete", "inferenceservice", name, f"--namespace={ns}", "--timeout=60s", timeout=90
-        )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    new = LocalOperator.start(release, tmp_path / "new-operator.log")
+    operators.append(new)
+    wait_for("both operators in the peering", lambda: len(peers(cluster, release, False)) == 2)
+    # The old one pauses on seeing a peer of equal priority; the new one starts paused.
+    wait_for("the old operator to pause", lambda: "Pausing all operators" in old.text(), 30)
+    wait_for("the new operator to see the old", lambda: "conflicting operators" in new.text(), 30)
 
-    log_text = operator_log.read_text()
-    assert "Forbidden" not in log_text and "Not enough permissions" not in log_text, log_text[
-        -3000:
-    ]
+    cluster.kubectl(
+        "patch",
+        "inferenceservice",
+        name,
+        f"--namespace={ns}",
+        "--type=merge",
+        "--patch",
+        json.dumps({"spec": {"replicas": 2}}),
+    )
+    generation = inference_service(cluster, ns, name)["metadata"]["generation"]
+    time.sleep(5)
+    paused = inference_service(cluster, ns, name)
+    assert paused["status"]["observedGeneration"] < generation, "a paused operator reconciled"
+
+    old.stop()
+    wait_for(
+        "the old operator to leave the peering", lambda: len(peers(cluster, release, False)) == 1
+    )
+    wait_for(
+        "the new operator to reconcile the change",
+        lambda: is_ready(inference_service(cluster, ns, name)),
+    )
+    deployment = cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")
+    assert deployment["spec"]["replicas"] == 2
+    assert "Resuming operations after the pause" in new.text()
+
+    cluster.kubectl("delete", "inferenceservice", name, f"--namespace={ns}", "--timeout=60s")
+    new.stop()
+    assert_no_permission_errors(old)
+    assert_no_permission_errors(new)
