@@ -606,6 +606,62 @@ def _profile_decode(
     free_memory()
 
 
+def _decode_ceiling(label: str, model: str, batch: int, in_len: int, temperature: float) -> None:
+    """Decode steps issued back to back through `execute_async`, without waiting for tokens:
+    the step time an engine loop that overlaps scheduling with the GPU (async scheduling) would
+    see, against the measured synchronous loop."""
+    core = make_core(
+        model, "v2", False, "bfloat16", max_num_seqs=max(batch, 8),
+        max_num_batched_tokens=8192, max_model_len=2048,
+    )  # fmt: skip
+    vocab = core.model_info.vocab_size
+    reqs = random_requests(batch, [in_len] * batch, [200] * batch, vocab, 3, temperature)
+    for req in reqs:
+        core.add_request(req)
+    sched, runner = core.scheduler, core.runner
+    runner_v2: Any = runner
+    sync_times: list[float] = []
+    last = None
+    while len(sync_times) < 20:  # past the prefill; then 20 synchronous decode steps, timed
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        if len(out.scheduled) == batch and out.num_batched_tokens == batch:
+            sync_times.append(time.perf_counter() - t0)
+            last = out
+    assert last is not None
+    # Re-issue the last decode step (same rows, same positions, same KV slots) 50 times.
+    runner_v2.execute_async(last).result()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    pending = [runner_v2.execute_async(last) for _ in range(50)]
+    pending[-1].result()
+    async_step = (time.perf_counter() - began) / 50
+    sync_step = sorted(sync_times)[len(sync_times) // 2]
+    record(
+        "decode_step_async_ceiling",
+        shape=label,
+        model=model,
+        batch=batch,
+        context=in_len + 20,
+        runner="v2-graphs",
+        sync_loop_ms_per_step=round(sync_step * 1e3, 3),
+        back_to_back_ms_per_step=round(async_step * 1e3, 3),
+        sync_loop_tok_s=round(batch / sync_step, 1),
+        back_to_back_tok_s=round(batch / async_step, 1),
+    )
+    core.abort_requests([r.request_id for r in reqs])
+    core.step()
+    core.shutdown()
+    del core
+    free_memory()
+
+
+def section_ceiling(args: argparse.Namespace) -> None:
+    _decode_ceiling("w2-b1", args.w2_model, 1, 1100, 0.0)
+    _decode_ceiling("w1-b256", args.w1_model, 256, 600, args.temperature)
+
+
 def section_profile(args: argparse.Namespace) -> None:
     """Where a decode step's time goes: W1's full batch and W2's single request."""
     for eager, fuse in ((False, True), (True, False)):
@@ -623,6 +679,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w2": section_w2,
     "peer": section_peer,
     "profile": section_profile,
+    "ceiling": section_ceiling,
 }
 
 
