@@ -16,6 +16,7 @@ import torch
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
+from davit_engine.layers.cpu_linear import can_prepack, prepack_linears
 from davit_engine.loader import LoadedModel
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import Sampler
@@ -40,6 +41,10 @@ class RunnerV1(ModelRunner):
         self.dtype = loaded.dtype
         self.block_size = config.block_size
         self.backend = TorchPagedAttention()
+        if can_prepack(self.dtype, device):
+            with torch.no_grad():
+                count = prepack_linears(self.model, batch_hint=config.max_num_seqs)
+            logger.info("pre-packed %d linear layers for oneDNN (%s on CPU)", count, self.dtype)
         self.sampler = Sampler(loaded.config.eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
