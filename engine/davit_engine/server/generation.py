@@ -78,10 +78,11 @@ class Generation:
             return
         self._closed = True
         self.state.end_request()
+        metrics = self.state.metrics
         if not self.output.finished:
             self.state.client.abort(self.request_id)
+            metrics.request_finished("abort")  # the client left before the end
             return
-        metrics = self.state.metrics
         metrics.request_finished(self.output.finish_reason or "stop")
         end = self._last_output_at or time.monotonic()
         metrics.e2e_request_latency.observe(end - self.arrival)
@@ -119,7 +120,13 @@ async def admit(
                 429, rejection.message, None, {"Retry-After": str(retry_after)}
             ) from exc
         if rejection.kind == "param":
-            raise OpenAIError(400, rejection.message, rejection.param) from exc
+            # The core says "prompt" for what a chat client sent as "messages".
+            param = (
+                "messages"
+                if rejection.param == "prompt" and prefix == "chatcmpl"
+                else rejection.param
+            )
+            raise OpenAIError(400, rejection.message, param) from exc
         raise OpenAIError(500, rejection.message) from exc
     except EngineDeadError as exc:
         state.end_request()

@@ -341,6 +341,14 @@ def test_client_disconnects_abort_and_free_every_block() -> None:
         stats = wait_idle(server)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert server.state.num_in_flight == 0
+        with server.http() as http:
+            metrics = http.get("/metrics").text
+        aborted = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line
+        ]
+        assert aborted == [20.0]
 
 
 def test_full_queue_answers_429_and_accepted_requests_complete() -> None:
