@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 import subprocess
 import time
@@ -77,3 +78,28 @@ def test_other_wrappers_pin_the_versions_file(module: str) -> None:
     wrapper = (CONTROLPLANE / module / "go.mod").read_text()
     assert f"{path} {getattr(versions, module)}" in wrapper
     assert (CONTROLPLANE / module / "go.sum").stat().st_size > 0
+
+
+def test_committed_wrapper_modules_are_what_update_modules_generates(tmp_path: Path) -> None:
+    # Same relative layout as the repository, so the script finds versions.json.
+    script_dir = tmp_path / "hack" / "controlplane"
+    script_dir.mkdir(parents=True)
+    shutil.copy(CONTROLPLANE / "update-modules.sh", script_dir)
+    versions_dir = tmp_path / "operator" / "davit_operator" / "devcluster"
+    versions_dir.mkdir(parents=True)
+    shutil.copy(REPO / "operator" / "davit_operator" / "devcluster" / "versions.json", versions_dir)
+    result = subprocess.run(
+        ["bash", str(script_dir / "update-modules.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for module in ("k8s", "etcd", "kwok"):
+        for name in ("go.mod", "go.sum"):
+            generated = (script_dir / module / name).read_text()
+            committed = (CONTROLPLANE / module / name).read_text()
+            assert generated == committed, (
+                f"hack/controlplane/{module}/{name} is stale: run "
+                "`bash hack/controlplane/update-modules.sh` and commit the result"
+            )
