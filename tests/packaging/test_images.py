@@ -63,11 +63,30 @@ def test_every_published_catalog_variant_has_a_recipe() -> None:
         assert variant in ENGINE_VARIANTS, f"catalog publishes {variant}, images/ has no recipe"
         if image.get("tag"):
             assert image["tag"] == f"{project_version()}-{variant}"
-    # The operator runs the engine with the catalog's command; the image agrees on it.
-    command = catalog["engines"]["davit"]["command"]
+    # The operator runs the engine with the catalog's command and probes its health path; the
+    # image agrees on both.
+    davit = catalog["engines"]["davit"]
     for path in ENGINE_FILES:
-        entrypoint = parse(path).final.last("ENTRYPOINT")
-        assert entrypoint is not None and entrypoint.exec_form() == command
+        final = parse(path).final
+        entrypoint = final.last("ENTRYPOINT")
+        assert entrypoint is not None and entrypoint.exec_form() == davit["command"]
+        healthcheck = final.last("HEALTHCHECK")
+        assert healthcheck is not None and f"{davit['health']['liveness']}'" in healthcheck.args
+
+
+def test_engine_image_matches_the_pods_the_operator_builds() -> None:
+    from davit_operator.planning.args import ENGINE_PORT, MODEL_CACHE_DIR
+
+    for path in ENGINE_FILES:
+        final = parse(path).final
+        exposed = final.last("EXPOSE")
+        assert exposed is not None and exposed.args == str(ENGINE_PORT)
+        # The operator mounts a writable emptyDir at MODEL_CACHE_DIR; the image keeps every
+        # cache it writes below it, so engines also run with a read-only root filesystem.
+        env = " ".join(i.args for i in final.all("ENV"))
+        for variable in ("HF_HOME", "TRITON_CACHE_DIR"):
+            match = re.search(rf"{variable}=(\S+)", env)
+            assert match and match.group(1).startswith(MODEL_CACHE_DIR + "/"), variable
 
 
 @pytest.mark.parametrize("path", ALL_FILES, ids=ids(ALL_FILES))
