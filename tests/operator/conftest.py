@@ -43,9 +43,9 @@ def start_operator(
     then every operator started here is stopped."""
     started: list[OperatorProcess] = []
 
-    def start(drift_interval: float = 2.0) -> OperatorProcess:
+    def start(drift_interval: float = 2.0, all_namespaces: bool = False) -> OperatorProcess:
         proc = OperatorProcess(
-            kube_cluster, kube_namespace, tmp_path / "operator.log", drift_interval
+            kube_cluster, kube_namespace, tmp_path / "operator.log", drift_interval, all_namespaces
         )
         started.append(proc)
         return proc.start()

@@ -32,12 +32,18 @@ class OperatorProcess:
     """`davit operator` running as a child process against the test cluster."""
 
     def __init__(
-        self, cluster: LocalCluster, namespace: str, log_path: Path, drift_interval: float
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        log_path: Path,
+        drift_interval: float,
+        all_namespaces: bool = False,
     ) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.log_path = log_path
         self.drift_interval = drift_interval
+        self.all_namespaces = all_namespaces
         self.metrics_port = free_port()
         self.liveness_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -48,8 +54,7 @@ class OperatorProcess:
             "-m",
             "davit_engine.cli",
             "operator",
-            "--namespace",
-            self.namespace,
+            *(["--all-namespaces"] if self.all_namespaces else ["--namespace", self.namespace]),
             "--kubeconfig",
             str(self.cluster.kubeconfig),
             "--metrics-port",

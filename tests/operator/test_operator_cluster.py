@@ -557,3 +557,13 @@ def test_child_refused_by_the_api_server_stalls_with_its_message(
     assert stalled["reason"] == "ChildRejected"
     assert "deployments/badenv" in stalled["message"]
     assert "env[1].valueFrom.secretKeyRef.name" in stalled["message"]
+
+
+def test_cluster_wide_operator_serves_any_namespace(
+    kube_cluster: LocalCluster, kube_namespace: str, start_operator: StartOperator
+) -> None:
+    operator = start_operator(all_namespaces=True)
+    apply_yaml(kube_cluster, kube_namespace, [isvc("anywhere", CPU_SPEC)])
+    ready = wait_ready(kube_cluster, kube_namespace, ["anywhere"])
+    assert ready["anywhere"]["status"]["url"] == f"http://anywhere.{kube_namespace}.svc:8000/v1"
+    assert operator.metric("davit_operator_child_writes_total", kind="Deployment") == 1
