@@ -309,6 +309,12 @@ class LocalCluster:
         wait_healthy(record, context, deadline, lambda: child.poll() is None, accept)
 
     def _register_nodes(self, deadline: float) -> None:
+        # Nodes first: kwok initializes them while the controller manager is still starting its
+        # controllers, which is most of the startup time.
+        if self.nodes:
+            items = [n.manifest() for n in self.nodes]
+            manifest = {"apiVersion": "v1", "kind": "List", "items": items}
+            self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
         # Pods are refused until the namespace's "default" ServiceAccount exists; waiting for it
         # proves the controller manager is working, not only serving /healthz.
         probe = ("get", "serviceaccount", "default", "--namespace=default")
@@ -321,8 +327,6 @@ class LocalCluster:
             time.sleep(0.2)
         if not self.nodes:
             return
-        manifest = {"apiVersion": "v1", "kind": "List", "items": [n.manifest() for n in self.nodes]}
-        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
         remaining = max(1, int(deadline - time.monotonic()))
         result = self.kubectl(
             "wait",
