@@ -11,6 +11,13 @@ import sys
 OPERATOR_USAGE = "davit operator [--namespace NS ... | --all-namespaces] [flags]"
 
 
+class _QuietTimerSuccess(logging.Filter):
+    """Drops kopf's "Timer 'drift' succeeded." lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.getMessage().startswith("Timer "))
+
+
 def _operator_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="davit operator",
@@ -75,6 +82,9 @@ def run_operator(argv: list[str]) -> int:
     # kopf installs the log handler; the children's HTTP client logs every request at INFO.
     kopf.configure(verbose=args.verbose)
     logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    if not args.verbose:
+        # One line per object per drift interval says nothing; failures are still logged.
+        logging.getLogger("kopf.objects").addFilter(_QuietTimerSuccess())
 
     from davit_operator.catalog import CatalogError, default_catalog
     from davit_operator.handlers import OperatorOptions, register

@@ -285,6 +285,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("missing engine", {"engine": None}, "spec.engine: Required value"),
     (
+        "gpu memory on cpu",
+        {
+            "accelerator": {"vendor": "cpu", "product": None},
+            "limits": {"gpuMemoryUtilization": 0.5},
+        },
+        "limits.gpuMemoryUtilization applies to GPU memory",
+    ),
+    (
         "gguf outside pvc",
         {"model": {"file": "model.gguf"}},
         "model.file names a file on a volume and needs a pvc:// source",

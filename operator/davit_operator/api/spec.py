@@ -528,6 +528,12 @@ class InferenceServiceSpec(CrdModel):
                     ".accelerator.count",
                 ),
                 _cel(
+                    "self.accelerator.vendor != 'cpu' || !has(self.limits.gpuMemoryUtilization)",
+                    "limits.gpuMemoryUtilization applies to GPU memory; remove it for "
+                    "accelerator.vendor cpu",
+                    ".limits.gpuMemoryUtilization",
+                ),
+                _cel(
                     "self.accelerator.vendor != 'cpu' || (self.parallelism.tensor == 1 && "
                     "self.parallelism.pipeline == 1)",
                     "tensor and pipeline parallelism need GPUs; set accelerator.vendor to a GPU "
