@@ -83,6 +83,10 @@ if [ "${go_minor:-0}" -lt 26 ]; then
   log "Go $(go env GOVERSION) is older than the 1.26 these modules need; the go command will fetch go1.26 (GOTOOLCHAIN=$(go env GOTOOLCHAIN))"
 fi
 
+# A cold module cache makes the go command print one "downloading" line per module (hundreds);
+# keep the build log to what matters.
+without_download_lines() { { grep -v '^go: downloading ' || true; } >&2; }
+
 export CGO_ENABLED=0
 # -mod=readonly: build exactly what the committed go.mod/go.sum say, never update them silently.
 export GOFLAGS="-buildvcs=false -mod=readonly"
@@ -109,18 +113,18 @@ for group in "${need[@]}"; do
       pkgs=()
       for b in "${k8s_bins[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
       # One invocation compiles the shared packages once for all four binaries.
-      (cd "$here/k8s" && go build -trimpath -ldflags "$ldflags" -o "$work/" "${pkgs[@]}")
+      (cd "$here/k8s" && go build -trimpath -ldflags "$ldflags" -o "$work/" "${pkgs[@]}") 2>&1 | without_download_lines
       for b in "${k8s_bins[@]}"; do mv -f "$work/$b" "$bin/$b"; done
       ;;
     etcd)
       log "building etcd $etcd"
-      (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/etcd" go.etcd.io/etcd/server/v3)
+      (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/etcd" go.etcd.io/etcd/server/v3) 2>&1 | without_download_lines
       mv -f "$work/etcd" "$bin/etcd"
       ;;
     kwok)
       log "building kwok $kwok"
       (cd "$here/kwok" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${kwok#v}" \
-        -o "$work/kwok" sigs.k8s.io/kwok/cmd/kwok)
+        -o "$work/kwok" sigs.k8s.io/kwok/cmd/kwok) 2>&1 | without_download_lines
       mv -f "$work/kwok" "$bin/kwok"
       # Standalone kwok needs stage definitions; they ship in kwok's module, which is in the
       # module cache after the build above.
