@@ -93,6 +93,7 @@ export GOFLAGS="-buildvcs=false -mod=readonly"
 mkdir -p "$bin" "$stages"
 work=$(mktemp -d "$dest/.build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+trap 'log "error: the build failed (see above); it needs the Go module proxy (GOPROXY=$(go env GOPROXY)) and a writable $dest"' ERR
 
 started=$(date +%s)
 for group in "${need[@]}"; do
