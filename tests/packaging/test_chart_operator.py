@@ -142,8 +142,29 @@ def operators(tmp_path: Path) -> Iterator[list[LocalOperator]]:
         sys.stderr.write(f"--- {op.log.name} ---\n{op.text()[-4000:]}\n")
 
 
+@pytest.fixture
+def releases(kube_cluster: LocalCluster, helm: Helm) -> Iterator[list[Release]]:
+    """Installed releases; uninstalled afterwards (before their namespace goes), so no
+    cluster-scoped object of theirs outlives the test."""
+    installed: list[Release] = []
+    yield installed
+    for release in installed:
+        result = helm.run(
+            "uninstall",
+            release.name,
+            f"--namespace={release.namespace}",
+            kubeconfig=kube_cluster.kubeconfig,
+        )
+        assert result.returncode == 0, result.stderr
+
+
 def install(
-    helm: Helm, cluster: LocalCluster, namespace: str, tmp_path: Path, *set_args: str
+    helm: Helm,
+    cluster: LocalCluster,
+    namespace: str,
+    tmp_path: Path,
+    releases: list[Release],
+    *set_args: str,
 ) -> Release:
     name = f"o{uuid.uuid4().hex[:8]}"
     fullname = f"{name}-davit"
@@ -154,7 +175,9 @@ def install(
     kubeconfig = service_account_kubeconfig(
         cluster, namespace, fullname, tmp_path / f"{fullname}.kubeconfig"
     )
-    return Release(name, fullname, namespace, container["args"], kubeconfig)
+    release = Release(name, fullname, namespace, container["args"], kubeconfig)
+    releases.append(release)
+    return release
 
 
 def apply_notes_example(helm: Helm, cluster: LocalCluster, release: Release) -> str:
@@ -213,12 +236,13 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
     helm: Helm,
     tmp_path: Path,
     operators: list[LocalOperator],
+    releases: list[Release],
     mode: str,
 ) -> None:
     cluster, ns = kube_cluster, kube_namespace
     cluster_wide = mode == "cluster-wide"
     release = install(
-        helm, cluster, ns, tmp_path, *([] if cluster_wide else [f"watchNamespace={ns}"])
+        helm, cluster, ns, tmp_path, releases, *([] if cluster_wide else [f"watchNamespace={ns}"])
     )
     op = LocalOperator.start(release, tmp_path / "operator.log")
     operators.append(op)
@@ -252,12 +276,13 @@ def test_peering_hands_over_between_overlapping_operators(
     helm: Helm,
     tmp_path: Path,
     operators: list[LocalOperator],
+    releases: list[Release],
 ) -> None:
     """What a rolling update of the chart's Deployment does: a second operator joins while the
     first still runs; no reconcile happens while both are alive, and the second takes over as
     soon as the first leaves."""
     cluster, ns = kube_cluster, kube_namespace
-    release = install(helm, cluster, ns, tmp_path, f"watchNamespace={ns}")
+    release = install(helm, cluster, ns, tmp_path, releases, f"watchNamespace={ns}")
     old = LocalOperator.start(release, tmp_path / "old-operator.log")
     operators.append(old)
     name = apply_notes_example(helm, cluster, release)
