@@ -8,6 +8,8 @@ had not finished, which frees its KV blocks, and records the request's metrics.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
 import time
 import uuid
@@ -33,8 +35,12 @@ class Generation:
         stream: RequestStream,
         output: RequestOutput,
         arrival: float,
+        index: int = 0,
+        prompt_index: int = 0,
     ) -> None:
         self.state = state
+        self.index = index  # the choice's index in the response
+        self.prompt_index = prompt_index  # which prompt of the request it continues
         self.request_id = request_id
         self.stream = stream
         self.output = output
@@ -94,7 +100,12 @@ class Generation:
 
 
 async def admit(
-    state: ServerState, prompt_token_ids: list[int], sampling: SamplingParams, prefix: str
+    state: ServerState,
+    prompt_token_ids: list[int],
+    sampling: SamplingParams,
+    prefix: str,
+    index: int = 0,
+    prompt_index: int = 0,
 ) -> Generation:
     """Send a tokenized, validated request to the core and wait for its admission answer."""
     state.check_accepting()
@@ -134,4 +145,98 @@ async def admit(
     except BaseException:
         state.end_request()
         raise
-    return Generation(state, request_id, stream, output, arrival)
+    return Generation(state, request_id, stream, output, arrival, index, prompt_index)
+
+
+class Choices:
+    """All generations of one HTTP request (several prompts, or `n` > 1), as one unit.
+
+    `close()` closes every generation; `pieces()` merges their pieces as they come, tagged with
+    the generation they belong to.
+    """
+
+    def __init__(self, generations: list[Generation]) -> None:
+        assert generations, "a response needs at least one choice"
+        self.generations = generations
+        self.id = generations[0].request_id
+        self.created = generations[0].created
+
+    def close(self) -> None:
+        for generation in self.generations:
+            generation.close()
+
+    async def pieces(self) -> AsyncIterator[tuple[Generation, OutputPiece]]:
+        if len(self.generations) == 1:
+            generation = self.generations[0]
+            async for piece in generation.pieces():
+                yield generation, piece
+            return
+        merged: asyncio.Queue[tuple[Generation, OutputPiece] | BaseException | None] = (
+            asyncio.Queue()
+        )
+
+        async def pump(generation: Generation) -> None:
+            try:
+                async for piece in generation.pieces():
+                    merged.put_nowait((generation, piece))
+            except OpenAIError as exc:
+                merged.put_nowait(exc)
+            finally:
+                merged.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(g)) for g in self.generations]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""
+        prompt = completion = cached = 0
+        seen: set[int] = set()
+        for generation in self.generations:
+            p, c, k = generation.usage_counts()
+            completion += c
+            if generation.prompt_index not in seen:
+                seen.add(generation.prompt_index)
+                prompt += p
+                cached += k
+        return prompt, completion, cached
+
+
+async def admit_choices(
+    state: ServerState,
+    prompts: list[list[int]],
+    samplings: list[SamplingParams],
+    n: int,
+    prefix: str,
+) -> Choices:
+    """Admit `n` generations per prompt (choice index = prompt index * n + j), or none at all.
+
+    With a seed, choice j samples with seed + j, so choices differ yet stay reproducible.
+    """
+    admitted: list[Generation] = []
+    try:
+        for prompt_index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
+            for j in range(n):
+                seeded = sampling
+                if j and sampling.seed is not None:
+                    seeded = dataclasses.replace(sampling, seed=sampling.seed + j)
+                admitted.append(
+                    await admit(state, prompt, seeded, prefix, prompt_index * n + j, prompt_index)
+                )
+    except BaseException:
+        for generation in admitted:
+            generation.close()
+        raise
+    return Choices(admitted)

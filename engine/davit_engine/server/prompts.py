@@ -34,24 +34,39 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
         raise OpenAIError(400, exc.message, exc.param) from exc
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """Tokenize the prompt, or check the token ids given. Raises OpenAIError(400)."""
+# More prompts than this in one request are refused: each becomes a separate engine request.
+MAX_PROMPTS = 64
+
+
+def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids for each prompt: a string, token ids, or a list of either. OpenAIError(400)."""
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise OpenAIError(
-                400, "'prompt' holds several prompts; send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
+    batch: list[str | list[int]] = []
+    if isinstance(prompt, str):
+        batch = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        batch = [[int(t) for t in prompt]]  # type: ignore[arg-type]  # ints, checked above
+    else:
+        batch = list(prompt)  # type: ignore[arg-type]  # strings or token-id lists
+    if not batch:
+        raise OpenAIError(400, "'prompt' must not be empty", "prompt")
+    if len(batch) > MAX_PROMPTS:
+        raise OpenAIError(
+            400, f"'prompt' holds {len(batch)} prompts; at most {MAX_PROMPTS} are allowed", "prompt"
+        )
+    param = "prompt" if len(batch) == 1 else None
+    return [_prompt_ids(item, tokenizer, param or f"prompt[{i}]") for i, item in enumerate(batch)]
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, param: str) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise OpenAIError(400, "'prompt' must not be empty", "prompt")
+            raise OpenAIError(400, f"'{param}' must not be empty", param)
         return tokenizer.encode(prompt, add_special_tokens=True)
-    ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # narrowed to list[int] above
-    if not ids:
-        raise OpenAIError(400, "'prompt' must not be empty", "prompt")
+    if not prompt:
+        raise OpenAIError(400, f"'{param}' must not be empty", param)
     vocab = tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
-        raise OpenAIError(400, f"'prompt' holds token id {bad}, outside [0, {vocab})", "prompt")
-    return ids
+        raise OpenAIError(400, f"'{param}' holds token id {bad}, outside [0, {vocab})", param)
+    return list(prompt)

@@ -8,6 +8,20 @@ from davit_engine.types import ParamError, SamplingParams
 
 # OpenAI's documented default for /v1/completions; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Each choice is a separate engine request; more than this in one HTTP request is refused.
+MAX_CHOICES = 128
+
+
+def check_num_choices(num_prompts: int, n: int) -> None:
+    """Raise OpenAIError(400) naming `n` unless 1 <= n and prompts * n <= MAX_CHOICES."""
+    if n < 1:
+        raise OpenAIError(400, f"'n' must be at least 1, got {n}", "n")
+    if num_prompts * n > MAX_CHOICES:
+        raise OpenAIError(
+            400,
+            f"'n' is too large: {num_prompts} prompt(s) x n={n} choices exceed {MAX_CHOICES}",
+            "n",
+        )
 
 
 def sampling_params(
@@ -28,8 +42,6 @@ def sampling_params(
             f"has {num_prompt_tokens}; shorten the prompt to at most {max_model_len - 1} tokens",
             prompt_param,
         )
-    if request.n != 1:
-        raise OpenAIError(400, f"'n' must be 1 (got {request.n}); send n requests instead", "n")
 
     if isinstance(request, ChatCompletionRequest):
         max_tokens_param = (

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from davit_engine.server.generation import Generation, admit
+from davit_engine.server.generation import Choices, admit_choices
 from davit_engine.server.output import LogprobEntry
 from davit_engine.server.prompts import chat_prompt_ids
 from davit_engine.server.protocol import (
@@ -30,7 +30,7 @@ from davit_engine.server.routes.common import (
     sse_event,
     usage_of,
 )
-from davit_engine.server.sampling import sampling_params
+from davit_engine.server.sampling import check_num_choices, sampling_params
 
 router = APIRouter()
 
@@ -61,58 +61,67 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     state.check_accepting()
     prompt_ids = chat_prompt_ids(body, state.tokenizer)
+    check_num_choices(1, body.n)
     sampling = sampling_params(
         body, len(prompt_ids), state.max_model_len, state.config.max_logprobs
     )
-    generation = await admit(state, prompt_ids, sampling, "chatcmpl")
+    choices = await admit_choices(state, [prompt_ids], [sampling], body.n, "chatcmpl")
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return event_stream(generation, _chunks(generation, body.logprobs, include_usage))
+        return event_stream(choices, _chunks(choices, body.logprobs, include_usage))
 
     async def collect() -> ChatCompletionResponse:
-        text: list[str] = []
-        entries: list[LogprobEntry] = []
-        async for piece in generation.pieces():
-            text.append(piece.text)
-            entries.extend(piece.logprobs)
+        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
+        entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
+        async for generation, piece in choices.pieces():
+            texts[generation.index].append(piece.text)
+            entries[generation.index].extend(piece.logprobs)
         return ChatCompletionResponse(
-            id=generation.request_id,
-            created=generation.created,
+            id=choices.id,
+            created=choices.created,
             model=state.model_name,
             choices=[
                 ChatChoice(
-                    message=AssistantMessage(content="".join(text)),
-                    logprobs=chat_logprobs(entries) if body.logprobs else None,
-                    finish_reason=generation.output.finish_reason,
+                    index=g.index,
+                    message=AssistantMessage(content="".join(texts[g.index])),
+                    logprobs=chat_logprobs(entries[g.index]) if body.logprobs else None,
+                    finish_reason=g.output.finish_reason,
                 )
+                for g in choices.generations
             ],
-            usage=usage_of(generation),
+            usage=usage_of(choices),
         )
 
-    result = await collect_unless_disconnected(request, generation, collect)
+    result = await collect_unless_disconnected(request, choices, collect)
     if result is None:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     return JSONResponse(result.model_dump(mode="json"))
 
 
-async def _chunks(
-    generation: Generation, logprobs: bool, include_usage: bool
-) -> AsyncIterator[bytes]:
+async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
     def chunk(choice: ChatChunkChoice | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=generation.request_id,
-            created=generation.created,
-            model=generation.state.model_name,
+            id=choices.id,
+            created=choices.created,
+            model=choices.generations[0].state.model_name,
             choices=[choice] if choice is not None else [],
         )
 
-    yield sse_event(chunk(ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))))
-    async for piece in generation.pieces():
+    for generation in choices.generations:
+        yield sse_event(
+            chunk(
+                ChatChunkChoice(
+                    index=generation.index, delta=DeltaMessage(role="assistant", content="")
+                )
+            )
+        )
+    async for generation, piece in choices.pieces():
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
             continue
         yield sse_event(
             chunk(
                 ChatChunkChoice(
+                    index=generation.index,
                     delta=DeltaMessage(content=piece.text),
                     logprobs=chat_logprobs(piece.logprobs) if logprobs else None,
                     finish_reason=piece.finish_reason,
@@ -121,5 +130,5 @@ async def _chunks(
         )
     if include_usage:
         final = chunk(None)
-        final.usage = usage_of(generation)
+        final.usage = usage_of(choices)
         yield sse_event(final)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from davit_engine.server.errors import OpenAIError
-from davit_engine.server.generation import Generation
+from davit_engine.server.generation import Choices
 from davit_engine.server.protocol import PromptTokensDetails, Usage, error_body
 from davit_engine.server.state import ServerState
 
@@ -27,8 +27,8 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
-def usage_of(generation: Generation) -> Usage:
-    prompt, completion, cached = generation.usage_counts()
+def usage_of(choices: Choices) -> Usage:
+    prompt, completion, cached = choices.usage_counts()
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -46,7 +46,7 @@ def sse_error(error: OpenAIError) -> bytes:
     return format_sse_event(data_str=json.dumps(body))
 
 
-def event_stream(generation: Generation, events: AsyncIterator[bytes]) -> EventSourceResponse:
+def event_stream(choices: Choices, events: AsyncIterator[bytes]) -> EventSourceResponse:
     """Stream already-framed SSE events; the request is closed (aborted if unfinished) after.
 
     One route answers both JSON and SSE depending on the body's `stream`, and admission errors
@@ -63,17 +63,17 @@ def event_stream(generation: Generation, events: AsyncIterator[bytes]) -> EventS
         except OpenAIError as exc:
             yield sse_error(exc)
         finally:
-            generation.close()
+            choices.close()
         yield DONE
 
-    response = EventSourceResponse(body(), background=BackgroundTask(generation.close))
+    response = EventSourceResponse(body(), background=BackgroundTask(choices.close))
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"
     return response
 
 
 async def collect_unless_disconnected(
-    request: Request, generation: Generation, collect: Callable[[], Awaitable[T]]
+    request: Request, choices: Choices, collect: Callable[[], Awaitable[T]]
 ) -> T | None:
     """Run `collect()` unless the client leaves first (then abort and return None)."""
 
@@ -96,4 +96,4 @@ async def collect_unless_disconnected(
         watcher.cancel()
         if not work.done():
             work.cancel()
-        generation.close()
+        choices.close()

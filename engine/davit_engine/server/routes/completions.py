@@ -1,4 +1,4 @@
-"""POST /v1/completions: JSON or server-sent events."""
+"""POST /v1/completions: JSON or server-sent events; several prompts and `n` give choices."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from davit_engine.server.generation import Generation, admit
+from davit_engine.server.generation import Choices, admit_choices
 from davit_engine.server.output import LogprobEntry
-from davit_engine.server.prompts import completion_prompt_ids
+from davit_engine.server.prompts import completion_prompts
 from davit_engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -24,7 +24,7 @@ from davit_engine.server.routes.common import (
     sse_event,
     usage_of,
 )
-from davit_engine.server.sampling import sampling_params
+from davit_engine.server.sampling import check_num_choices, sampling_params
 
 router = APIRouter()
 
@@ -50,65 +50,68 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     state.check_accepting()
-    prompt_ids = completion_prompt_ids(body, state.tokenizer)
-    sampling = sampling_params(
-        body, len(prompt_ids), state.max_model_len, state.config.max_logprobs
-    )
-    generation = await admit(state, prompt_ids, sampling, "cmpl")
+    prompts = completion_prompts(body, state.tokenizer)
+    check_num_choices(len(prompts), body.n)
+    max_model_len, max_logprobs = state.max_model_len, state.config.max_logprobs
+    samplings = [sampling_params(body, len(p), max_model_len, max_logprobs) for p in prompts]
+    choices = await admit_choices(state, prompts, samplings, body.n, "cmpl")
     want_logprobs = body.logprobs is not None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return event_stream(generation, _chunks(generation, want_logprobs, include_usage))
+        return event_stream(choices, _chunks(choices, want_logprobs, include_usage))
 
     async def collect() -> CompletionResponse:
-        text: list[str] = []
-        entries: list[LogprobEntry] = []
-        async for piece in generation.pieces():
-            text.append(piece.text)
-            entries.extend(piece.logprobs)
+        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
+        entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
+        async for generation, piece in choices.pieces():
+            texts[generation.index].append(piece.text)
+            entries[generation.index].extend(piece.logprobs)
         return CompletionResponse(
-            id=generation.request_id,
-            created=generation.created,
+            id=choices.id,
+            created=choices.created,
             model=state.model_name,
             choices=[
                 CompletionChoice(
-                    text="".join(text),
-                    logprobs=completion_logprobs(entries, 0) if want_logprobs else None,
-                    finish_reason=generation.output.finish_reason,
+                    index=g.index,
+                    text="".join(texts[g.index]),
+                    logprobs=completion_logprobs(entries[g.index], 0) if want_logprobs else None,
+                    finish_reason=g.output.finish_reason,
                 )
+                for g in choices.generations
             ],
-            usage=usage_of(generation),
+            usage=usage_of(choices),
         )
 
-    result = await collect_unless_disconnected(request, generation, collect)
+    result = await collect_unless_disconnected(request, choices, collect)
     if result is None:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     return JSONResponse(result.model_dump(mode="json"))
 
 
-async def _chunks(
-    generation: Generation, logprobs: bool, include_usage: bool
-) -> AsyncIterator[bytes]:
+async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
     def chunk(choice: CompletionChoice | None) -> CompletionResponse:
         return CompletionResponse(
-            id=generation.request_id,
-            created=generation.created,
-            model=generation.state.model_name,
+            id=choices.id,
+            created=choices.created,
+            model=choices.generations[0].state.model_name,
             choices=[choice] if choice is not None else [],
         )
 
-    offset = 0
-    async for piece in generation.pieces():
+    offsets = {g.index: 0 for g in choices.generations}
+    async for generation, piece in choices.pieces():
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
             continue
-        block = completion_logprobs(piece.logprobs, offset) if logprobs else None
-        offset += sum(len(e.token) for e in piece.logprobs)
+        index = generation.index
+        block = completion_logprobs(piece.logprobs, offsets[index]) if logprobs else None
+        offsets[index] += sum(len(e.token) for e in piece.logprobs)
         yield sse_event(
             chunk(
-                CompletionChoice(text=piece.text, logprobs=block, finish_reason=piece.finish_reason)
+                CompletionChoice(
+                    index=index, text=piece.text, logprobs=block, finish_reason=piece.finish_reason
+                )
             )
         )
     if include_usage:
         final = chunk(None)
-        final.usage = usage_of(generation)
+        final.usage = usage_of(choices)
         yield sse_event(final)
