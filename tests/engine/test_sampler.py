@@ -10,6 +10,7 @@ import torch
 from davit_engine.core.batch import ScheduledRequest
 from davit_engine.runner.sampler import (
     Sampler,
+    _inverse_cdf,
     check_logits_processors,
     register_logits_processor,
     unregister_logits_processor,
@@ -131,9 +132,10 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits[0, 6] = 9.0
     logits[0, 7] = 8.0
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(6,), max_tokens=4)
-    (token,), _ = sampler.sample(logits, [request(params, output=[0])])
+    # sample() may change its logits in place: each call gets its own copy.
+    (token,), _ = sampler.sample(logits.clone(), [request(params, output=[0])])
     assert token == 7
-    (token,), _ = sampler.sample(logits, [request(params, output=[0, 0])])
+    (token,), _ = sampler.sample(logits.clone(), [request(params, output=[0, 0])])
     assert token == 5
 
 
@@ -144,7 +146,7 @@ def test_logprobs_are_raw_log_softmax_with_top_n() -> None:
         request(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5), output=[4]),
         request(SamplingParams(temperature=0.0)),
     ]
-    tokens, logprobs = sampler.sample(logits, reqs)
+    tokens, logprobs = sampler.sample(logits.clone(), reqs)
     assert logprobs[1] is None
     first = logprobs[0]
     assert first is not None
@@ -155,6 +157,19 @@ def test_logprobs_are_raw_log_softmax_with_top_n() -> None:
     assert [t for t, _ in first.top] == ids.tolist()
     assert [lp for _, lp in first.top] == pytest.approx(values.tolist(), abs=1e-6)
     assert math.fsum(math.exp(lp) for lp in expected.tolist()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_two_level_inverse_cdf_hits_only_positive_mass() -> None:
+    # Vocabulary not a multiple of the chunk size; mass in a few scattered tokens.
+    vocab = 1000
+    probs = torch.zeros(4, vocab)
+    probs[:, [3, 511, 512, 999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    uniform = torch.tensor([[0.0], [0.15], [0.55], [0.999999]])
+    assert _inverse_cdf(probs, uniform).tolist() == [3, 511, 512, 999]
+    draws = _inverse_cdf(probs.repeat(2500, 1), torch.rand(10000, 1))
+    freq = torch.bincount(draws, minlength=vocab).float() / draws.numel()
+    assert set(torch.nonzero(freq).flatten().tolist()) == {3, 511, 512, 999}
+    assert torch.allclose(freq[[3, 511, 512, 999]], torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.03)
 
 
 def test_custom_logits_processor_runs_and_unknown_names_are_refused() -> None:

@@ -26,7 +26,8 @@ from davit_engine.types import ParamError, TokenLogprob
 # A custom logits processor maps (token ids so far: prompt + output, logits [V]) -> logits [V].
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 _LOGITS_PROCESSORS: dict[str, LogitsProcessor] = {}
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) over the seed space
+_SEED_MIX = 0x9E3779B97F4A7C15
+_CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF  # odd 64-bit constant: spreads (seed, step) over the seed space
 
 
 def register_logits_processor(name: str, processor: LogitsProcessor) -> None:
@@ -55,7 +56,10 @@ def row_seed(seed: int, num_tokens: int) -> int:
 
 
 class Sampler:
-    """Samples one token per row of logits; `eos_token_ids` are masked while min_tokens holds."""
+    """Samples one token per row of logits; `eos_token_ids` are masked while min_tokens holds.
+
+    `sample()` may modify the logits it is given in place (they are the runner's scratch).
+    """
 
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
@@ -75,19 +79,22 @@ class Sampler:
             torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
         )  # [L, V]
 
-        logits = logits.clone()
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
             for name in p.logits_processors:
                 logits[i] = _LOGITS_PROCESSORS[name](req.token_ids, logits[i])
         self._apply_min_tokens(logits, requests)
         self._apply_penalties(logits, requests)
 
-        sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy:
+        # Uniform batches (the common case) skip the row gathers: [N, V] copies are not free.
+        if not random_rows:
+            sampled = logits.argmax(dim=-1)
+        elif not greedy:
+            sampled = self._sample_random(logits, requests)
+        else:
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
             sampled[greedy] = logits[greedy].argmax(dim=-1)
-        if random_rows:
             sampled[random_rows] = self._sample_random(
                 logits[random_rows], [requests[i] for i in random_rows]
             )
@@ -202,11 +209,33 @@ class Sampler:
                     row_seed(seed, len(req.token_ids))
                 )
                 uniform[j] = torch.rand(1, generator=generator, device=device)
-        cdf = probs.cumsum(dim=-1)  # [R, V]
-        # Scaled by the row's total so masked (zero) mass and rounding cannot push u past it.
-        targets = uniform * cdf[:, -1:]
-        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return sampled.clamp_max(probs.shape[1] - 1)
+        return _inverse_cdf(probs, uniform)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Token ids [R] with P(i) = probs[r, i] / sum(probs[r]), from uniform [R, 1] in [0, 1).
+
+    Two levels (chunk masses, then one chunk) instead of a cumulative sum over the whole
+    vocabulary: the full-width work is one reduction, which vectorizes well.
+    """
+    num_rows, vocab = probs.shape
+    chunk = _CDF_CHUNK
+    num_chunks = -(-vocab // chunk)
+    if num_chunks * chunk != vocab:
+        probs = torch.nn.functional.pad(probs, (0, num_chunks * chunk - vocab))
+    chunks = probs.view(num_rows, num_chunks, chunk)
+    mass = chunks.sum(dim=-1)  # [R, C]
+    cdf = mass.cumsum(dim=-1)
+    # Scaled by the row's total so masked (zero) mass and rounding cannot push u past it.
+    target = uniform * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).clamp_max(num_chunks - 1)  # [R, 1]
+    # The picked chunk has positive mass; find the token inside it by the mass left over.
+    remaining = (target - (cdf.gather(1, picked) - mass.gather(1, picked))).clamp_min(0.0)
+    inner = chunks[torch.arange(num_rows, device=probs.device), picked.squeeze(1)]  # [R, chunk]
+    inner_cdf = inner.cumsum(dim=-1)
+    remaining = torch.minimum(remaining, inner_cdf[:, -1:] * (1 - 1e-6))
+    offset = torch.searchsorted(inner_cdf, remaining, right=True).clamp_max(chunk - 1)
+    return (picked * chunk + offset).squeeze(1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
