@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from davit_engine.config import EngineConfig
-from davit_engine.core.batch import SchedulerOutput
+from davit_engine.core.batch import ScheduledRequest, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.loader import LoadedModel, load_model
 from davit_engine.runner.base import ModelRunner
@@ -118,3 +118,56 @@ def test_v2_penalties_and_min_tokens_run(loaded: LoadedModel) -> None:
     # frequency penalty 1.0 on a tiny random model: greedy decoding stops repeating one token
     assert len(tokens) == 10
     assert max(tokens.count(t) for t in tokens) < 10
+
+
+def test_v2_matches_v1_through_preemptions() -> None:
+    """A KV cache too small for every request at once: the scheduler preempts and recomputes
+    (prompt + outputs so far, `is_new` again), and V2 still matches V1 token for token."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = _config(device, num_gpu_blocks=12, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    requests = _requests(params, [20, 22, 18, 25])  # 4 x ~4-5 blocks of 8 > 12 blocks
+    v1 = _generate(RunnerV1(config, load_model(config, device), device), config, requests)
+    v2_runner = RunnerV2(config, load_model(config, device), device)
+    v2 = _generate(v2_runner, config, requests)
+    assert v1 == v2
+    assert all(len(tokens) == 14 for tokens in v2.values())
+
+
+def test_execute_async_runs_ahead_of_the_host_tokens() -> None:
+    """The async-scheduling contract: decode steps are issued before the previous step's
+    tokens reach the host, with `token_ids` that lag behind; V2 reads each new input token
+    from its device table, so the tokens match a synchronous run."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = _config(device)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (req,) = _requests(params, [9])
+    expected = _generate(RunnerV2(config, load_model(config, device), device), config, [req])
+
+    runner = RunnerV2(config, load_model(config, device), device)
+    runner.initialize_kv_cache(64)
+    prompt = list(req.prompt_token_ids)
+    blocks = list(range(4))  # 32 slots: the prompt and every output
+
+    def step(num_computed: int, num_new: int, is_new: bool) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled=[
+                ScheduledRequest(
+                    request_id="r0",
+                    token_ids=prompt,  # never updated: the host has not seen any output yet
+                    num_prompt_tokens=len(prompt),
+                    num_computed_tokens=num_computed,
+                    num_new_tokens=num_new,
+                    block_ids=blocks,
+                    sampling=params,
+                    needs_sample=True,
+                    is_new=is_new,
+                )
+            ]
+        )
+
+    pending = [runner.execute_async(step(0, len(prompt), True))]
+    for i in range(7):  # issued back to back, nothing read in between
+        pending.append(runner.execute_async(step(len(prompt) + i, 1, False)))
+    tokens = [p.result().sampled_token_ids[0] for p in pending]
+    assert tokens == expected["r0"]

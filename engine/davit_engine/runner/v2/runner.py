@@ -35,7 +35,7 @@ from davit_engine.types import ParamError, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
-_PENDING_BUFFERS = 4  # pinned output buffers: up to 3 steps may be in flight
+_PENDING_BUFFERS = 4  # pinned output buffers; a fifth step in flight settles the oldest
 
 
 @dataclass
@@ -110,6 +110,7 @@ class RunnerV2(ModelRunner):
         self.inputs: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         self._out_buffers: list[torch.Tensor] = []
+        self._out_owners: list[PendingStep | None] = []
         self._out_turn = 0
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -228,6 +229,7 @@ class RunnerV2(ModelRunner):
             )
             for _ in range(_PENDING_BUFFERS)
         ]
+        self._out_owners = [None] * _PENDING_BUFFERS
         logger.info(
             "runner V2: %d KV blocks x %d (%.2f GiB), %d slots, max_model_len %d",
             num_blocks,
@@ -289,8 +291,13 @@ class RunnerV2(ModelRunner):
                 self.model_config.eos_token_ids,
                 max_seq_len,
             )
-            host = self._out_buffers[self._out_turn]
-            self._out_turn = (self._out_turn + 1) % len(self._out_buffers)
+            turn = self._out_turn
+            self._out_turn = (turn + 1) % len(self._out_buffers)
+            previous = self._out_owners[turn]
+            if previous is not None:
+                previous.result()  # more steps in flight than buffers: settle the oldest first
+            self._out_owners[turn] = pending
+            host = self._out_buffers[turn]
             host[:num_real].copy_(tokens, non_blocking=True)
             pending.host_tokens = host
             pending.logprobs = logprobs
