@@ -57,6 +57,14 @@ def kube_namespace(kube_cluster: LocalCluster, request: pytest.FixtureRequest) -
     Teardown waits until the namespace's pods are gone, so the fake nodes' GPUs are free again
     before the next test schedules pods.
     """
+    stopped = kube_cluster.stopped_components()
+    if stopped:
+        pytest.fail(
+            "the local control plane lost "
+            + ", ".join(f"{r.name} (log: {r.log})" for r in stopped)
+            + "; later cluster tests in this session will fail too",
+            pytrace=False,
+        )
     stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
     name = f"t-{stem}-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", name)

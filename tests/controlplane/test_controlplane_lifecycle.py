@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,16 @@ def test_context_manager_starts_custom_nodes_and_cleans_up(kube_cluster: LocalCl
             "kwok",
         ]
         assert cluster.startup_seconds is not None and cluster.startup_seconds > 0
+        assert cluster.is_running() and cluster.stopped_components() == []
+
+        # A component that dies later is reported by name.
+        kwok = records[-1]
+        os.kill(kwok.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while kwok.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r.name for r in cluster.stopped_components()] == ["kwok"]
+        assert not cluster.is_running()
     assert not any(r.is_alive() for r in records)
     # A cluster started without a state folder removes its temporary one.
     assert not state_dir.exists()

@@ -142,7 +142,11 @@ class LocalCluster:
         """True when every component process is alive (always True for a connected cluster)."""
         if not self._owns_processes:
             return True
-        return bool(self._records) and all(r.is_alive() for r in self._records)
+        return bool(self._records) and not self.stopped_components()
+
+    def stopped_components(self) -> list[ProcessRecord]:
+        """Components of a started cluster whose process has exited (see their ``log``)."""
+        return [r for r in self._records if not r.is_alive()]
 
     def kubectl(
         self,
