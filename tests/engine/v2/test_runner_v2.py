@@ -36,7 +36,10 @@ def _config(device: torch.device, **overrides: object) -> EngineConfig:
 
 
 def _generate(
-    runner: ModelRunner, config: EngineConfig, requests: list[EngineRequest]
+    runner: ModelRunner,
+    config: EngineConfig,
+    requests: list[EngineRequest],
+    preemptions: list[int] | None = None,
 ) -> dict[str, list[int]]:
     runner.initialize_kv_cache(config.num_gpu_blocks or 64)
     scheduler = Scheduler(config, config.num_gpu_blocks or 64, config.max_model_len or 128)
@@ -49,6 +52,8 @@ def _generate(
         for delta in scheduler.update_from_output(batch, result):
             outputs[delta.request_id].extend(delta.new_token_ids)
     runner.execute(SchedulerOutput(finished_ids=list(outputs)))  # releases every slot
+    if preemptions is not None:
+        preemptions.append(scheduler.stats().num_preemptions)
     return outputs
 
 
@@ -129,7 +134,9 @@ def test_v2_matches_v1_through_preemptions() -> None:
     requests = _requests(params, [20, 22, 18, 25])  # 4 x ~4-5 blocks of 8 > 12 blocks
     v1 = _generate(RunnerV1(config, load_model(config, device), device), config, requests)
     v2_runner = RunnerV2(config, load_model(config, device), device)
-    v2 = _generate(v2_runner, config, requests)
+    preemptions: list[int] = []
+    v2 = _generate(v2_runner, config, requests, preemptions)
+    assert preemptions[0] > 0
     assert v1 == v2
     assert all(len(tokens) == 14 for tokens in v2.values())
 
