@@ -139,9 +139,10 @@ async def _apply_children(
     owner: Owner,
     indexes: dict[str, kopf.Index[Any, Any]],
     recent: dict[str, tuple[str, dict[str, Any], float]],
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any] | None, list[str]]:
     """Apply what differs; delete a PodDisruptionBudget no longer wanted. Returns the live
-    Deployment (fresh from the apply when one happened, else from the index).
+    Deployment (fresh from the apply when one happened, else from the index) and the writes
+    made ("applied Deployment", "deleted PodDisruptionBudget").
 
     `recent` remembers this object's own applies (kind -> hash, response, time) until the watch
     cache shows them: a reconcile that runs before the watch event arrives must not apply again.
@@ -149,6 +150,7 @@ async def _apply_children(
     key = (plan.namespace, plan.name)
     live_deployment: dict[str, Any] | None = _first(indexes["deployment"], key)
     wanted_kinds = set()
+    writes: list[str] = []
     now = time.monotonic()
     for desired in children(plan, owner):
         kind = desired["kind"]
@@ -169,16 +171,21 @@ async def _apply_children(
         applied = await runtime.kube.apply(obj)
         recent[kind] = (wanted_hash, applied, now)
         CHILD_WRITES.labels(kind=kind, action="apply").inc()
+        writes.append(f"applied {kind}")
         if kind == "Deployment":
             live_deployment = applied
     stale = _first(indexes["poddisruptionbudget"], key)
     if "PodDisruptionBudget" not in wanted_kinds and stale is not None:
-        await runtime.kube.delete(
-            "PodDisruptionBudget", plan.namespace, plan.name, stale["metadata"]["uid"]
-        )
-        recent.pop("PodDisruptionBudget", None)
-        CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
-    return live_deployment
+        uid = stale["metadata"]["uid"]
+        # A budget deleted moments ago can linger in the watch cache: delete it once.
+        marker = f"deleted:{uid}"
+        previous = recent.get("PodDisruptionBudget")
+        if previous is None or previous[0] != marker or now - previous[2] > RECENT_APPLY_SECONDS:
+            await runtime.kube.delete("PodDisruptionBudget", plan.namespace, plan.name, uid)
+            recent["PodDisruptionBudget"] = (marker, {}, now)
+            CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
+            writes.append("deleted PodDisruptionBudget")
+    return live_deployment, writes
 
 
 def _hash_of(obj: dict[str, Any] | None) -> str | None:
@@ -230,9 +237,13 @@ async def reconcile(
             deployment = _first(indexes["deployment"], (namespace, name))
             if plan is not None:
                 try:
-                    deployment = await _apply_children(
+                    deployment, writes = await _apply_children(
                         runtime, plan, Owner(name=name, uid=uid), indexes, recent
                     )
+                    if writes:
+                        runtime.post_event(
+                            body, "Normal", "Applied", f"{', '.join(writes)} ({plan.name})"
+                        )
                 except KubeError as exc:
                     if exc.is_temporary:
                         raise

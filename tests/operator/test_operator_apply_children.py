@@ -54,6 +54,15 @@ def _run(
     asyncio.run(_apply_children(runtime, plan, OWNER, indexes, recent))
 
 
+def _run_writes(
+    client: RecordingClient, indexes: dict[str, Any], recent: dict[str, Any], **spec: Any
+) -> list[str]:
+    runtime = Runtime(catalog=CATALOG, kube=client)  # type: ignore[arg-type]
+    plan = make_plan("svc", "ns", make_spec(**spec), CATALOG)
+    _, writes = asyncio.run(_apply_children(runtime, plan, OWNER, indexes, recent))
+    return writes
+
+
 def test_writes_once_even_when_the_watch_lags() -> None:
     client = RecordingClient()
     recent: dict[str, Any] = {}
@@ -81,9 +90,14 @@ def test_budget_follows_the_replica_count() -> None:
     assert client.applied == ["Deployment", "Service", "PodDisruptionBudget"]
     live = {kind.lower(): recent[kind][1] for kind in recent}
     recent.clear()
-    _run(client, _indexes(**live), recent, replicas=1)
+    writes = _run_writes(client, _indexes(**live), recent, replicas=1)
+    assert writes == ["applied Deployment", "deleted PodDisruptionBudget"]
     assert client.applied[3:] == ["Deployment"]
     assert client.deleted == ["PodDisruptionBudget/ns/svc/PodDisruptionBudget-uid"]
+    # The watch still shows the deleted budget: it is not deleted twice.
+    live["deployment"] = recent["Deployment"][1]
+    assert _run_writes(client, _indexes(**live), recent, replicas=1) == []
+    assert len(client.deleted) == 1
 
 
 class FailingClient(RecordingClient):
@@ -152,4 +166,7 @@ def test_first_reconcile_writes_children_and_status() -> None:
     assert status["artifact"]["image"] == "ghcr.io/davit-dev/davit-engine:0.1.0-cuda13.0"
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "RolloutPending"
-    assert [("Normal", "RolloutPending", f"Ready=False: {ready['message']}")] == EVENTS
+    assert [
+        ("Normal", "Applied", "applied Deployment, applied Service (svc)"),
+        ("Normal", "RolloutPending", f"Ready=False: {ready['message']}"),
+    ] == EVENTS
