@@ -119,6 +119,16 @@ class LocalOperator:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def running(self) -> bool:
+        """True while the process runs; fails the test (quoting the log) once it has exited,
+        for example because it rejected one of the chart's arguments."""
+        if not self.alive():
+            pytest.fail(
+                f"the operator exited with {self.proc.returncode}:\n{self.text()[-3000:]}",
+                pytrace=False,
+            )
+        return True
+
     def stop(self) -> None:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
@@ -248,8 +258,10 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
     operators.append(op)
 
     name = apply_notes_example(helm, cluster, release)
-    wait_for(f"{name} to become Ready", lambda: is_ready(inference_service(cluster, ns, name)))
-    assert op.alive()
+    wait_for(
+        f"{name} to become Ready",
+        lambda: op.running() and is_ready(inference_service(cluster, ns, name)),
+    )
 
     # kopf's liveness endpoint answers where the chart's probes look for it.
     with urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5) as r:
@@ -286,7 +298,10 @@ def test_peering_hands_over_between_overlapping_operators(
     old = LocalOperator.start(release, tmp_path / "old-operator.log")
     operators.append(old)
     name = apply_notes_example(helm, cluster, release)
-    wait_for(f"{name} to become Ready", lambda: is_ready(inference_service(cluster, ns, name)))
+    wait_for(
+        f"{name} to become Ready",
+        lambda: old.running() and is_ready(inference_service(cluster, ns, name)),
+    )
 
     new = LocalOperator.start(release, tmp_path / "new-operator.log")
     operators.append(new)
@@ -315,7 +330,7 @@ def test_peering_hands_over_between_overlapping_operators(
     )
     wait_for(
         "the new operator to reconcile the change",
-        lambda: is_ready(inference_service(cluster, ns, name)),
+        lambda: new.running() and is_ready(inference_service(cluster, ns, name)),
     )
     deployment = cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")
     assert deployment["spec"]["replicas"] == 2
