@@ -108,6 +108,16 @@ def test_missing_binaries_are_reported_with_the_build_command(tmp_path: Path) ->
         _ = cluster.server
 
 
+def test_stopping_a_cluster_that_never_started_touches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    bystander = tmp_path / "cluster.json"
+    bystander.write_text("{}")
+    LocalCluster(bin_dir=tmp_path / "bin").stop()
+    assert bystander.exists()
+
+
 def test_connect_rejects_a_kubeconfig_without_a_server(tmp_path: Path) -> None:
     config = tmp_path / "kubeconfig"
     config.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")

@@ -259,9 +259,12 @@ class LocalCluster:
         if not self._owns_processes:
             return
         self._stop_processes()
+        if self._owns_state_dir and self.state_dir == Path():
+            return  # never started: there is no temporary folder yet
         (self.state_dir / STATE_FILE).unlink(missing_ok=True)
-        if self._owns_state_dir and self.state_dir != Path():
+        if self._owns_state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+            self.state_dir = Path()
 
     # ---- internals -----------------------------------------------------------------------------
 
