@@ -370,6 +370,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                 labels=dict(body.metadata.labels),
                 allocatable=dict(body.status.get("allocatable") or {}),
                 unschedulable=bool(body.spec.get("unschedulable", False)),
+                taints=tuple(dict(t) for t in body.spec.get("taints") or ()),
             )
         }
 

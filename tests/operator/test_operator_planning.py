@@ -365,3 +365,31 @@ def test_catalog_digest_pins_the_image(tmp_path: Path) -> None:
     )
     assert p.image.reference == f"vllm/vllm-openai:v0.33.0rc3@{digest}"
     assert p.image.pinned and p.image.tag == "v0.33.0rc3" and p.image.digest == digest
+
+
+def test_taints_must_be_tolerated() -> None:
+    tainted = [
+        NodeFacts(
+            "gpu-h200-0",
+            H200,
+            {"cpu": "200", "memory": "2000Gi", "nvidia.com/gpu": "8"},
+            taints=({"key": "dedicated", "value": "training", "effect": "NoSchedule"},),
+        )
+    ]
+    p = make_plan("svc", "ns", make_spec(), CATALOG, tainted)
+    assert p.fit.fits is False
+    assert "dedicated=training:NoSchedule" in p.fit.message and "pod.tolerations" in p.fit.message
+    tolerated = make_spec(
+        pod={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "training"}]}
+    )
+    assert make_plan("svc", "ns", tolerated, CATALOG, tainted).fit.fits is True
+    # The vendor's own toleration covers the GPU operator's usual taint.
+    gpu_taint = [
+        NodeFacts(
+            "gpu-h200-1",
+            H200,
+            {"cpu": "200", "memory": "2000Gi", "nvidia.com/gpu": "8"},
+            taints=({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},),
+        )
+    ]
+    assert make_plan("svc", "ns", make_spec(), CATALOG, gpu_taint).fit.fits is True

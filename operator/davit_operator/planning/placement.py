@@ -32,6 +32,7 @@ class NodeFacts:
     labels: dict[str, str]
     allocatable: dict[str, str]
     unschedulable: bool = False
+    taints: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,27 @@ def _amount(quantities: dict[str, str], name: str) -> Decimal:
     return parse_quantity(raw) if raw is not None else Decimal(0)
 
 
+def _tolerates(toleration: dict[str, Any], taint: dict[str, str]) -> bool:
+    effect = toleration.get("effect")
+    if effect and effect != taint.get("effect"):
+        return False
+    if toleration.get("operator", "Equal") == "Exists":
+        return not toleration.get("key") or toleration.get("key") == taint.get("key")
+    return bool(
+        toleration.get("key") == taint.get("key")
+        and toleration.get("value", "") == taint.get("value", "")
+    )
+
+
+def _admits(node: NodeFacts, tolerations: list[dict[str, Any]]) -> bool:
+    """Whether every scheduling-blocking taint of the node is tolerated."""
+    return all(
+        any(_tolerates(t, taint) for t in tolerations)
+        for taint in node.taints
+        if taint.get("effect") in ("NoSchedule", "NoExecute")
+    )
+
+
 def check_fit(placement: Placement, nodes: list[NodeFacts] | None) -> Fit:
     """Whether at least one known node could ever run one replica, with the reason if not."""
     if not nodes:
@@ -142,6 +164,21 @@ def check_fit(placement: Placement, nodes: list[NodeFacts] | None) -> Fit:
         if not node.unschedulable
         and all(node.labels.get(k) == v for k, v in placement.node_selector.items())
     ]
+    admitted = [node for node in selected if _admits(node, placement.tolerations)]
+    if selected and not admitted:
+        taints = sorted(
+            {
+                f"{t.get('key')}={t.get('value', '')}:{t.get('effect')}"
+                for n in selected
+                for t in n.taints
+            }
+        )
+        return Fit(
+            False,
+            f"every matching node has a taint the pods do not tolerate ({', '.join(taints)}); "
+            "add pod.tolerations",
+        )
+    selected = admitted
     if not selected:
         wanted = ", ".join(f"{k}={v}" for k, v in placement.node_selector.items())
         offered = sorted(
@@ -187,6 +224,7 @@ def check_fit(placement: Placement, nodes: list[NodeFacts] | None) -> Fit:
     ]
     return Fit(
         False,
-        f"no matching node has enough allocatable resources for one replica ({', '.join(short)});"
-        " lower pod.resources or add larger nodes",
+        "no matching node has enough allocatable resources for one replica ("
+        + (", ".join(short) or "no single node has all of them at once")
+        + "); lower pod.resources or add larger nodes",
     )
