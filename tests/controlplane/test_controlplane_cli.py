@@ -30,13 +30,23 @@ def test_up_status_env_down(tmp_path: Path) -> None:
     assert _cli(state, "status").returncode == 1
     assert _cli(state, "env").returncode == 1
 
-    up = _cli(state, "up")
+    # Two `up` at once: one starts the cluster, the other waits for it and reuses it.
+    argv = [sys.executable, "-m", "davit_operator.devcluster", f"--state-dir={state}", "up"]
+    racers = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outcomes = [proc.communicate(timeout=300) + (proc.returncode,) for proc in racers]
     cluster = LocalCluster.from_state(state)
     try:
-        assert up.returncode == 0, up.stderr
-        kubeconfig = Path(up.stdout.strip())
+        assert [rc for _, _, rc in outcomes] == [0, 0], [err for _, err, _ in outcomes]
+        assert sorted("ready in" in err for _, err, _ in outcomes) == [False, True]
+        assert sorted("already running" in err for _, err, _ in outcomes) == [False, True]
+        kubeconfig = Path(outcomes[0][0].strip())
         assert kubeconfig == state / "kubeconfig"
-        assert "ready in" in up.stderr
+        assert outcomes[1][0].strip() == str(kubeconfig)
+        # Exactly one set of components runs for this state folder.
+        assert len(_processes_mentioning(str(state))) == 5
 
         # The command has returned; its components keep running in their own sessions.
         assert cluster is not None and cluster.is_running()
@@ -79,3 +89,16 @@ def test_down_without_a_cluster_is_a_no_op(
 ) -> None:
     assert devcluster_main([f"--state-dir={tmp_path}", "down"]) == 0
     assert "nothing to stop" in capsys.readouterr().err
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(proc.name))
+    return found

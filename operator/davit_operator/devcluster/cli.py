@@ -8,8 +8,11 @@ nothing else), so ``export KUBECONFIG=$(python -m davit_operator.devcluster up)`
 from __future__ import annotations
 
 import argparse
+import fcntl
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .cluster import LocalCluster
@@ -46,15 +49,31 @@ def devcluster_main(argv: list[str], prog: str | None = None) -> int:
     state_dir: Path = args.state_dir or cli_state_dir()
     try:
         if args.command == "up":
-            return _up(state_dir, args.timeout)
+            with _exclusive(state_dir):
+                return _up(state_dir, args.timeout)
         if args.command == "down":
-            return _down(state_dir)
+            with _exclusive(state_dir):
+                return _down(state_dir)
         if args.command == "status":
             return _status(state_dir)
         return _env(state_dir)
     except ClusterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+
+
+@contextmanager
+def _exclusive(state_dir: Path) -> Iterator[None]:
+    """Serializes ``up`` and ``down`` on one state folder (two ``up`` at once would otherwise
+    start two clusters and keep only one in the state file)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another up/down on {state_dir} ...", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _up(state_dir: Path, timeout: float) -> int:
