@@ -67,6 +67,16 @@ class RequestStream:
             raise item
         return item
 
+    def next_nowait(self) -> RequestDelta | None:
+        """The next delta if one is already queued, else None (never waits)."""
+        try:
+            item = self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, EngineDeadError):
+            raise item
+        return item
+
 
 class AsyncEngineClient:
     """Start, talk to and stop one engine-core process. All methods run on one event loop."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from davit_engine.ipc.client import AdmissionError, EngineDeadError, RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.output import OutputPiece, RequestOutput
-from davit_engine.types import EngineRequest, SamplingParams
+from davit_engine.types import EngineRequest, RequestDelta, SamplingParams
 
 if TYPE_CHECKING:
     from davit_engine.server.state import ServerState
@@ -51,32 +51,43 @@ class Generation:
         self._closed = False
 
     async def pieces(self) -> AsyncIterator[OutputPiece]:
-        """Yield pieces until the request finishes. Raises OpenAIError(503) if the core dies."""
-        metrics = self.state.metrics
+        """Yield pieces until the request finishes. Raises OpenAIError(503) if the core dies.
+
+        Deltas that queued up while the consumer was busy (a slow client, a loaded API process)
+        are merged into one piece, so a consumer that falls behind catches up with fewer,
+        larger events instead of falling further behind.
+        """
         while not self.output.finished:
             try:
-                delta = await self.stream.next()
+                piece = self._process(await self.stream.next())
+                while not self.output.finished:
+                    delta = self.stream.next_nowait()
+                    if delta is None:
+                        break
+                    piece = piece.merged_with(self._process(delta))
             except EngineDeadError as exc:
                 raise OpenAIError(503, f"the engine stopped: {exc}") from exc
-            now = time.monotonic()
-            if delta.new_token_ids:
-                if self._first_token_at is None:
-                    self._first_token_at = now
-                    metrics.time_to_first_token.observe(now - self.arrival)
-                    metrics.prompt_tokens.inc(
-                        delta.num_prompt_tokens or self.output.num_prompt_tokens
-                    )
-                elif self._last_output_at is not None:
-                    metrics.inter_token_latency.observe(now - self._last_output_at)
-                self._last_output_at = now
-                metrics.generation_tokens.inc(len(delta.new_token_ids))
-            piece = self.output.process(delta)
-            if piece.stopped_by_string:
-                # The core would keep generating: only the front end knows about stop strings.
-                self.state.client.abort(self.request_id)
-            elif delta.finished:
-                self.state.client.release(self.request_id)
             yield piece
+
+    def _process(self, delta: RequestDelta) -> OutputPiece:
+        metrics = self.state.metrics
+        now = time.monotonic()
+        if delta.new_token_ids:
+            if self._first_token_at is None:
+                self._first_token_at = now
+                metrics.time_to_first_token.observe(now - self.arrival)
+                metrics.prompt_tokens.inc(delta.num_prompt_tokens or self.output.num_prompt_tokens)
+            elif self._last_output_at is not None:
+                metrics.inter_token_latency.observe(now - self._last_output_at)
+            self._last_output_at = now
+            metrics.generation_tokens.inc(len(delta.new_token_ids))
+        piece = self.output.process(delta)
+        if piece.stopped_by_string:
+            # The core would keep generating: only the front end knows about stop strings.
+            self.state.client.abort(self.request_id)
+        elif delta.finished:
+            self.state.client.release(self.request_id)
+        return piece
 
     def close(self) -> None:
         """Abort the request if it is unfinished; record its metrics. Idempotent."""

@@ -37,6 +37,16 @@ class OutputPiece:
     finish_reason: str | None = None
     stopped_by_string: bool = False  # the request is done here but the core does not know yet
 
+    def merged_with(self, later: OutputPiece) -> OutputPiece:
+        """This piece followed by `later`, as one."""
+        return OutputPiece(
+            self.text + later.text,
+            self.num_new_tokens + later.num_new_tokens,
+            self.logprobs + later.logprobs,
+            later.finish_reason or self.finish_reason,
+            self.stopped_by_string or later.stopped_by_string,
+        )
+
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _MIN_LOGPROB

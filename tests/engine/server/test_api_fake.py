@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 from typing import Any
 
@@ -139,7 +140,10 @@ def test_streaming_completion_ends_with_done(fake_server: FakeServer) -> None:
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
-    assert len(events) == 4 + 1  # one event per token, no usage without include_usage
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == script(4)
+    # At most one event per token (queued tokens may be merged), no usage unless asked for.
+    assert 1 <= len(chunks) <= 4 and all(c["usage"] is None for c in chunks)
 
 
 @pytest.mark.parametrize("stream", [False, True])
