@@ -1,4 +1,6 @@
-"""Sampling on the GPU: greedy, temperature, top-k, top-p, min-p, penalties and per-request seeds.
+"""Sampling on the GPU: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+
+Penalties are applied to the logits beforehand (kernels/penalties.py).
 
 Randomness comes from a counter-based hash of (request seed, position, token id), so a request's
 draw depends only on its own seed and position, never on the batch it shares or on a generator
@@ -466,31 +468,3 @@ def sample_reference(
         g = gumbel_reference(seed, positions[row].long(), ids)
         out[row] = int(torch.argmax(torch.where(keep, x + g.to(x.device), float("-inf"))))
     return out
-
-
-def apply_penalties(
-    logits: torch.Tensor,  # [B, V] float32, changed in place
-    token_table: torch.Tensor,  # [S, max_model_len] int32
-    row_slot: torch.Tensor,  # [B] int32
-    seq_lens: torch.Tensor,  # [B] int32: tokens before the one being drawn
-    prompt_lens: torch.Tensor,  # [B] int32
-    repetition: torch.Tensor,  # [B] float32, 1 = off
-    presence: torch.Tensor,  # [B] float32, 0 = off
-    frequency: torch.Tensor,  # [B] float32, 0 = off
-    max_seq_len: int,
-) -> None:
-    """Repetition penalty over prompt and output tokens; presence and frequency penalties over
-    output tokens (OpenAI's definitions). Tensor ops on the device, no host synchronisation."""
-    num_rows, vocab_size = logits.shape
-    pos = torch.arange(max_seq_len, device=logits.device)
-    tokens = token_table[row_slot.long(), :max_seq_len].long().clamp(0, vocab_size - 1)
-    seen_mask = pos[None, :] < seq_lens[:, None]
-    out_mask = seen_mask & (pos[None, :] >= prompt_lens[:, None])
-    counts = torch.zeros(num_rows, vocab_size, device=logits.device)
-    counts.scatter_add_(1, tokens, out_mask.float())
-    seen = torch.zeros(num_rows, vocab_size, device=logits.device)
-    seen.scatter_add_(1, tokens, seen_mask.float())
-    rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen > 0, penalised, logits))
-    logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).float()

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from davit_engine.kernels.penalties import apply_penalties
 from davit_engine.kernels.sampling import (
     SamplingTable,
-    apply_penalties,
     gumbel_reference,
     sample,
     sample_reference,

@@ -15,7 +15,6 @@ One step, all on the current stream:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,55 +28,14 @@ from davit_engine.loader import LoadedModel
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
-from davit_engine.runner.v2.sampler import LogprobRequest, sample_step
+from davit_engine.runner.v2.pending import PendingStep
+from davit_engine.runner.v2.sampler import sample_step
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
-from davit_engine.types import ParamError, TokenLogprob
+from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
 
 _PENDING_BUFFERS = 4  # pinned output buffers; a fifth step in flight settles the oldest
-
-
-@dataclass
-class PendingStep:
-    """A launched step. `result()` waits for its sampled tokens (the step's only sync)."""
-
-    num_rows: int
-    needs_sample: list[bool]
-    host_tokens: torch.Tensor | None = None  # pinned [>= num_rows] int64
-    event: torch.cuda.Event | None = None
-    logprobs: LogprobRequest | None = None
-    _done: RunnerOutput | None = field(default=None, repr=False)
-
-    def result(self) -> RunnerOutput:
-        if self._done is not None:
-            return self._done
-        if self.event is not None:
-            self.event.synchronize()
-        tokens = self.host_tokens[: self.num_rows].tolist() if self.host_tokens is not None else []
-        sampled: list[int | None] = [
-            t if needs else None for t, needs in zip(tokens, self.needs_sample, strict=True)
-        ]
-        logprobs: list[TokenLogprob | None] | None = None
-        if self.logprobs is not None:
-            logprobs = [None] * self.num_rows
-            lp = self.logprobs
-            chosen = lp.chosen.tolist()
-            top_v = lp.top_values.tolist() if lp.top_values is not None else None
-            top_i = lp.top_ids.tolist() if lp.top_ids is not None else None
-            for j, row in enumerate(lp.rows):
-                token = sampled[row]
-                if token is None:
-                    continue
-                n = lp.counts[j]
-                top = (
-                    list(zip(top_i[j][:n], top_v[j][:n], strict=True))
-                    if n and top_i is not None and top_v is not None
-                    else []
-                )
-                logprobs[row] = TokenLogprob(token, chosen[j], top)
-        self._done = RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
-        return self._done
 
 
 class RunnerV2(ModelRunner):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from davit_engine.core.batch import ScheduledRequest
-from davit_engine.kernels.sampling import apply_penalties, sample
+from davit_engine.kernels.penalties import apply_penalties
+from davit_engine.kernels.sampling import sample
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
 
 

@@ -116,6 +116,7 @@ class RequestStateTable:
         self._pinned_ready: list[torch.cuda.Event | None] = []
         self._turn = 0
         self._device_stage = torch.empty(0, dtype=torch.int32, device=device)
+        self.last_stage_size = 0  # int32 values the last step sent (row vectors + changes)
 
     @property
     def num_free_slots(self) -> int:
@@ -199,6 +200,7 @@ class RequestStateTable:
             triples[2] = block_ids
 
         total = sum(sizes)
+        self.last_stage_size = total
         if self._device_stage.numel() < total:
             self._device_stage = torch.empty(
                 max(total, 2 * self._device_stage.numel()), dtype=torch.int32, device=self.device
