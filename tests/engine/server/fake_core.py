@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
-from davit_engine.types import EngineRequest, EngineStats, RequestDelta, TokenLogprob
+from davit_engine.types import EngineRequest, EngineStats, ParamError, RequestDelta, TokenLogprob
 
 SCRIPT = "The quick brown fox jumps over the lazy dog. "
 EOS_TOKEN_ID = 257
@@ -110,3 +110,8 @@ class FakeEngineCore:
 
     def shutdown(self) -> None:
         """Nothing to release: the fake holds no device memory."""
+
+
+def failing_core(config: EngineConfig) -> FakeEngineCore:
+    """A core factory that refuses the configuration, as EngineCore does for a bad flag."""
+    raise ParamError("--max-model-len", f"{config.max_model_len} exceeds the model's 8 positions")

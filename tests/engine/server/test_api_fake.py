@@ -9,15 +9,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import uvicorn
+
+from davit_engine.config import EngineConfig
+from davit_engine.server.app import create_app
 
 from .conftest import MODEL, FakeServer, serve_fake
 from .fake_core import SCRIPT
+from .harness import free_port
 
 
 def script(n: int, seed: int | None = None) -> str:
@@ -454,3 +460,36 @@ def test_drain_refuses_new_requests_and_finishes_in_flight() -> None:
                 assert "shutting down" in refused.json()["error"]["message"]
             assert in_flight.result(timeout=30).choices[0].text == script(40)
         assert server.state.num_in_flight == 0
+
+
+def test_a_core_that_fails_to_load_is_reported_not_hung() -> None:
+    from .conftest import byte_tokenizer
+    from .fake_core import __name__ as fake_module
+
+    reasons: list[str] = []
+    app = create_app(
+        EngineConfig(model=MODEL, max_model_len=99),
+        core_factory=f"{fake_module}:failing_core",
+        tokenizer_loader=byte_tokenizer,
+        on_fatal=reasons.append,
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not reasons:
+            assert time.monotonic() < deadline, "the load failure was never reported"
+            time.sleep(0.05)
+        assert reasons == ["--max-model-len: 99 exceeds the model's 8 positions"]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            health = http.get("/health")
+            assert health.status_code == 503
+            assert "--max-model-len" in health.json()["error"]["message"]
+            assert http.get("/ready").status_code == 503
+            refused = http.post(COMPLETIONS, json={"prompt": "hi"})
+            assert refused.status_code == 503
+    finally:
+        server.should_exit = True
+        thread.join(30)

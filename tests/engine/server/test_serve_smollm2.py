@@ -108,6 +108,19 @@ def test_completion_streaming_and_not(client: openai.OpenAI) -> None:
     assert final.prompt_tokens == plain.usage.prompt_tokens
 
 
+def test_several_prompts_in_one_request_match_single_requests(client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    batched = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0)
+    single = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+        for p in prompts
+    ]
+    assert [c.index for c in batched.choices] == [0, 1]
+    assert [c.text for c in batched.choices] == [s.choices[0].text for s in single]
+    assert batched.usage is not None
+    assert batched.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single if s.usage)
+
+
 def test_stop_string(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=FRANCE, temperature=0, max_tokens=20, stop=["Paris"]
