@@ -1,4 +1,4 @@
-"""Offline throughput: N random prompts of fixed length through `EngineCore`, EOS ignored.
+"""Offline throughput: N random prompts through `EngineCore`, EOS ignored by default.
 
 Prompts are random token ids from a seeded generator, so runs are comparable across engines
 and commits. Prints the configuration beside requests/s and output tokens/s, and optionally
@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="draw each request's input and output length uniformly from "
+        "[len * (1 - r), len * (1 + r)] (0: fixed lengths)",
+    )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
@@ -55,6 +62,16 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ParamError(f"--{name.replace('_', '-')}", "must be at least 1")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ParamError("--random-range-ratio", "must be in [0, 1)")
+
+
+def _lengths(generator: Any, count: int, length: int, ratio: float) -> list[int]:
+    import torch
+
+    low = max(1, int(length * (1 - ratio)))
+    high = max(low, int(length * (1 + ratio)))
+    return torch.randint(low, high + 1, (count,), generator=generator).tolist()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,7 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    max_model_len = args.max_model_len or args.input_len + args.output_len
+    ratio = args.random_range_ratio
+    max_model_len = args.max_model_len or int((args.input_len + args.output_len) * (1 + ratio)) + 1
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -88,17 +106,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_seconds = time.perf_counter() - load_start
     info = core.model_info
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(
-        0, info.vocab_size, (args.num_prompts, args.input_len), generator=generator
-    ).tolist()
-    sampling = SamplingParams(
-        max_tokens=args.output_len,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        seed=None,
-    )
+    input_lens = _lengths(generator, args.num_prompts, args.input_len, ratio)
+    output_lens = _lengths(generator, args.num_prompts, args.output_len, ratio)
+    prompts = [
+        torch.randint(0, info.vocab_size, (n,), generator=generator).tolist() for n in input_lens
+    ]
+    num_prompt_tokens = sum(input_lens)
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, max_tokens) in enumerate(zip(prompts, output_lens, strict=True)):
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
+        )
         core.add_request(EngineRequest(f"bench-{i}", prompt, sampling))
     num_output = 0
     num_steps = 0
@@ -123,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "random_range_ratio": ratio,
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
             "max_num_seqs": args.max_num_seqs,
@@ -138,10 +157,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "load_s": load_seconds,
             "num_steps": num_steps,
             "output_tokens": num_output,
-            "total_tokens": num_output + args.num_prompts * args.input_len,
+            "prompt_tokens": num_prompt_tokens,
+            "total_tokens": num_output + num_prompt_tokens,
             "requests_per_s": args.num_prompts / elapsed,
             "output_tokens_per_s": num_output / elapsed,
-            "total_tokens_per_s": (num_output + args.num_prompts * args.input_len) / elapsed,
+            "total_tokens_per_s": (num_output + num_prompt_tokens) / elapsed,
             "num_preemptions": stats.num_preemptions,
         },
         "stats": asdict(stats),
@@ -197,7 +217,8 @@ def throughput_main(argv: list[str]) -> int:
     )
     print(
         f"workload: {c['num_prompts']} prompts x {c['input_len']} random tokens -> "
-        f"{c['output_len']} output tokens, ignore_eos={c['ignore_eos']}, "
+        f"{c['output_len']} output tokens (length range ratio {c['random_range_ratio']}), "
+        f"temperature={c['temperature']}, ignore_eos={c['ignore_eos']}, "
         f"max_num_seqs={c['max_num_seqs']}, max_num_batched_tokens={c['max_num_batched_tokens']}"
     )
     print("versions: " + ", ".join(f"{k} {v}" for k, v in c["versions"].items()))
