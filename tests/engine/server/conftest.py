@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +23,12 @@ from . import fake_core
 from .harness import threaded_server
 
 FAKE_CORE = f"{fake_core.__name__}:FakeEngineCore"
+
+# The core process is spawned and imports the fake core by module name, with the parent's
+# sys.path; pytest's importlib import mode does not put the folder that name starts from there.
+_IMPORT_ROOT = str(Path(fake_core.__file__).parents[len(fake_core.__name__.split(".")) - 1])
+if _IMPORT_ROOT not in sys.path:
+    sys.path.append(_IMPORT_ROOT)
 MODEL = "fake-model"
 
 
