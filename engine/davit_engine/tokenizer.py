@@ -17,6 +17,8 @@ from davit_engine.types import ParamError
 
 BYTE_TOKENIZER = "byte"
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+# Without one of these, transformers 5 builds an empty tokenizer from config.json silently.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 class Tokenizer(Protocol):
@@ -202,6 +204,8 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer:
         if path.suffix == ".gguf":
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             return HFTokenizer(hf)
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise OSError(f"none of {', '.join(_TOKENIZER_FILES)} is present")
         hf = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ParamError(
