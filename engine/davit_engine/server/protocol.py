@@ -35,6 +35,8 @@ class _GenerationRequest(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    # Accepted so that using them is an explicit 400, not silently ignored (see sampling.py).
+    logit_bias: dict[str, Any] | None = None
     # Extras, named as the upstream engine names them.
     top_k: int | None = None
     min_p: float | None = None
@@ -63,6 +65,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted so that using them is an explicit 400, not silently ignored (see sampling.py).
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationRequest):

@@ -43,6 +43,7 @@ def sampling_params(
             prompt_param,
         )
 
+    _refuse_unsupported(request)
     if isinstance(request, ChatCompletionRequest):
         max_tokens_param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -109,3 +110,21 @@ def sampling_params(
         )
         raise OpenAIError(400, exc.message.replace(exc.param, param, 1), param) from exc
     return params
+
+
+def _refuse_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """Features a client could rely on that this engine does not implement: refuse, by name."""
+    if request.logit_bias:
+        raise OpenAIError(400, "'logit_bias' is not supported by this engine", "logit_bias")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise OpenAIError(
+                400, "'tools' (tool calling) is not supported by this engine", "tools"
+            )
+        kind = (request.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise OpenAIError(
+                400,
+                f"'response_format' of type {kind!r} is not supported; only 'text' is",
+                "response_format",
+            )
