@@ -19,6 +19,12 @@ from davit_engine.kernels.sampling import sample
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
 
 
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small index tensor sent without stalling the host (pinned, non-blocking copy)."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class LogprobRequest:
     """Device tensors whose host copies become `TokenLogprob`s for `rows`."""
@@ -42,7 +48,10 @@ def sample_step(
     """Draw (and commit) one token per row; returns the tokens [B] int64 and the logprob work."""
     device = logits.device
     logprob_rows = [i for i, r in enumerate(scheduled) if r.sampling.logprobs is not None]
-    raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+    logprob_index = _indices(logprob_rows, device) if logprob_rows else None
+    raw_logprobs = (
+        torch.log_softmax(logits[logprob_index], dim=-1) if logprob_index is not None else None
+    )
 
     banned_rows: list[int] = []
     banned_ids: list[int] = []
@@ -53,9 +62,7 @@ def sample_step(
             banned_rows.extend([i] * len(banned))
             banned_ids.extend(banned)
     if banned_rows:
-        logits[
-            torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)
-        ] = float("-inf")
+        logits[_indices(banned_rows, device), _indices(banned_ids, device)] = float("-inf")
 
     if any(
         r.sampling.repetition_penalty != 1.0
@@ -95,8 +102,8 @@ def sample_step(
     logprobs = None
     if raw_logprobs is not None:
         counts = [scheduled[i].sampling.logprobs or 0 for i in logprob_rows]
-        index = torch.tensor(logprob_rows, device=device)
-        chosen = raw_logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+        assert logprob_index is not None
+        chosen = raw_logprobs.gather(1, tokens[logprob_index].unsqueeze(1)).squeeze(1)
         top_values = top_ids = None
         if max(counts):
             top_values, top_ids = raw_logprobs.topk(max(counts), dim=-1)
