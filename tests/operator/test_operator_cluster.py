@@ -285,6 +285,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("missing engine", {"engine": None}, "spec.engine: Required value"),
     (
+        "toleration value with Exists",
+        {"pod": {"tolerations": [{"key": "a", "operator": "Exists", "value": "b"}]}},
+        "a toleration with operator Exists matches any value",
+    ),
+    (
         "gpu memory on cpu",
         {
             "accelerator": {"vendor": "cpu", "product": None},

@@ -431,6 +431,24 @@ class LimitsSpec(CrdModel):
 
 
 class Toleration(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.operator != 'Exists' || !has(self.value)",
+                    "a toleration with operator Exists matches any value; remove value",
+                    ".value",
+                ),
+                _cel(
+                    "has(self.key) || self.operator == 'Exists'",
+                    "a toleration without key must use operator Exists (it then tolerates every "
+                    "taint)",
+                    ".operator",
+                ),
+            ]
+        }
+    )
+
     key: str | None = Field(default=None, max_length=316, description="Taint key to tolerate.")
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
     value: str | None = Field(default=None, max_length=63, description="Taint value (Equal).")
