@@ -51,12 +51,17 @@ class OpenAIError(Exception):
         self.headers = headers or {}
 
 
+def error_payload(status_code: int, message: str, param: str | None = None) -> Any:
+    """The OpenAI error body for `status_code` (also sent as an SSE event mid-stream)."""
+    type_ = _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "APIError")
+    return error_body(message, type_, param, status_code)
+
+
 def error_response(
     status_code: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    type_ = _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "APIError")
     return JSONResponse(
-        error_body(message, type_, param, status_code), status_code=status_code, headers=headers
+        error_payload(status_code, message, param), status_code=status_code, headers=headers
     )
 
 

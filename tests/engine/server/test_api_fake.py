@@ -440,6 +440,14 @@ def test_full_queue_answers_429_and_accepted_requests_complete() -> None:
 
 def test_crashed_core_fails_requests_and_health() -> None:
     with serve_fake(step_s=0.01) as server, server.http() as http:
+        # Streaming: the stream had started, so the error arrives as an event, then [DONE].
+        body = {"prompt": "CRASH now", "max_tokens": 5, "stream": True}
+        with http.stream("POST", COMPLETIONS, json=body) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        assert "crashed on purpose" in error["message"]
         response = http.post(COMPLETIONS, json={"prompt": "CRASH now", "max_tokens": 5})
         assert response.status_code == 503, response.text
         assert "crashed on purpose" in response.json()["error"]["message"]

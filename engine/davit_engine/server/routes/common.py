@@ -12,9 +12,9 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from davit_engine.server.errors import OpenAIError
+from davit_engine.server.errors import OpenAIError, error_payload
 from davit_engine.server.generation import Choices
-from davit_engine.server.protocol import PromptTokensDetails, Usage, error_body
+from davit_engine.server.protocol import PromptTokensDetails, Usage
 from davit_engine.server.state import ServerState
 
 T = TypeVar("T")
@@ -42,7 +42,7 @@ def sse_event(model: BaseModel) -> bytes:
 
 
 def sse_error(error: OpenAIError) -> bytes:
-    body = error_body(error.message, "APIError", error.param, error.status_code)
+    body = error_payload(error.status_code, error.message, error.param)
     return format_sse_event(data_str=json.dumps(body))
 
 
