@@ -71,7 +71,10 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             settings.peering.name = options.peering
         memo.runtime = Runtime(
             catalog=default_catalog(),
-            kube=KubeClient(load_credentials(options.kubeconfig)),
+            kube=KubeClient(
+                load_credentials(options.kubeconfig),
+                reload=lambda: load_credentials(options.kubeconfig),
+            ),
         )
 
     @kopf.on.login(registry=registry, id="login")

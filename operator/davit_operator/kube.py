@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -153,7 +154,15 @@ def load_credentials(kubeconfig: str | None = None) -> Credentials:
 class KubeClient:
     """Async API-server client for the operator's children. One per operator process."""
 
-    def __init__(self, credentials: Credentials, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        timeout: float = 30.0,
+        reload: Callable[[], Credentials] | None = None,
+    ) -> None:
+        """`reload` re-reads the credentials after a 401 (rotated service-account tokens)."""
+        self._reload = reload
         headers = {"Accept": "application/json", "User-Agent": f"{FIELD_MANAGER}/0.1.0"}
         if credentials.authorization:
             headers["Authorization"] = credentials.authorization
@@ -171,6 +180,11 @@ class KubeClient:
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = await self._http.request(method, path, **kwargs)
+            if response.status_code == 401 and self._reload is not None:
+                fresh = self._reload()
+                if fresh.authorization:
+                    self._http.headers["Authorization"] = fresh.authorization
+                    response = await self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise KubeError(0, f"{method} {path}: {exc!r}") from exc
         return response
