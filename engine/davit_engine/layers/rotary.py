@@ -39,8 +39,20 @@ def rope_inverse_frequencies(
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, blended, scaled)
+    if rope_type == "freq_factors":
+        # GGUF files carry Llama 3 scaling as per-frequency divisors (the rope_freqs tensor).
+        assert scaling is not None
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ParamError(
+                "model",
+                f"rope frequency factors have {factors.numel()} entries, expected {inv_freq.numel()}",
+            )
+        return inv_freq / factors
     raise ParamError(
-        "model", f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)"
+        "model",
+        f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3, "
+        "freq_factors)",
     )
 
 

@@ -91,6 +91,13 @@ def _config_from_reader(reader: Any, path: Path) -> ModelConfig:
     if vocab is None:
         raise ParamError("model", f"{path}: GGUF metadata has neither vocab_size nor tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling = None
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        from gguf import dequantize
+
+        factors = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1).tolist()
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors}
     config = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -103,6 +110,7 @@ def _config_from_reader(reader: Any, path: Path) -> ModelConfig:
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,

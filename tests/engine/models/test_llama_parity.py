@@ -20,7 +20,7 @@ from davit_engine.llm import LLM
 from davit_engine.loader import build_empty
 from davit_engine.loader.random_weights import fill_random, save_hf_directory
 from davit_engine.shapes import SHAPES
-from davit_engine.types import SamplingParams
+from davit_engine.types import ParamError, SamplingParams
 
 MAX_NEW_TOKENS = 20
 QWEN3_TINY = SHAPES["qwen3-tiny"]
@@ -103,6 +103,17 @@ def test_llama3_rope_scaling_changes_only_long_wavelengths() -> None:
     assert scaled[0] == base[0]
     assert torch.isclose(scaled[-1], base[-1] / 4.0)
     assert bool((scaled <= base).all())
+
+
+def test_gguf_frequency_factors_divide_the_frequencies() -> None:
+    base = rope_inverse_frequencies(8, 10000.0, None)
+    factors = [1.0, 2.0, 4.0, 8.0]
+    scaled = rope_inverse_frequencies(8, 10000.0, {"rope_type": "freq_factors", "factors": factors})
+    assert torch.equal(scaled, base / torch.tensor(factors))
+    with pytest.raises(ParamError, match="expected 4"):
+        rope_inverse_frequencies(8, 10000.0, {"rope_type": "freq_factors", "factors": [1.0]})
+    with pytest.raises(ParamError, match="'yarn' is not supported"):
+        rope_inverse_frequencies(8, 10000.0, {"rope_type": "yarn"})
 
 
 def test_random_weights_are_deterministic_by_seed() -> None:
