@@ -47,13 +47,14 @@ VARIANTS = {
 
 
 def random_prompts() -> list[list[int]]:
+    """22 prompts: 14 of lengths 1..150 and 8 sharing a 40-token prefix (prefix-cache hits)."""
     generator = torch.Generator().manual_seed(11)
     shared = torch.randint(0, 256, (40,), generator=generator).tolist()
-    prompts = [
-        torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 9, 17, 33, 70, 120)
-    ]
+    lengths = (1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 70, 120, 150)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
     prompts += [
-        shared + torch.randint(0, 256, (n,), generator=generator).tolist() for n in (1, 5, 12)
+        shared + torch.randint(0, 256, (n,), generator=generator).tolist()
+        for n in (1, 2, 5, 8, 9, 12, 20, 33)
     ]
     return prompts
 
