@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tarfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,23 @@ def test_values_schema_is_valid_json_with_strict_top_level() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # Every default value is declared in the schema, and vice versa (minus helm's "global").
     assert set(values) == set(schema["properties"]) - {"global"}
+
+
+def test_packaged_chart_carries_crds_and_schema_and_renders(helm: Helm, tmp_path: Path) -> None:
+    result = helm.run("package", str(CHART), f"--destination={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    (archive,) = tmp_path.glob("davit-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    expected = {f"davit/crds/{p.name}" for p in (CHART / "crds").glob("*.yaml")} | {
+        "davit/Chart.yaml",
+        "davit/values.yaml",
+        "davit/values.schema.json",
+        "davit/templates/NOTES.txt",
+    }
+    assert expected <= names
+    # The packaged archive is what users install: it must still render and validate values.
+    rendered = helm.run("template", "davit", str(archive), f"--kube-version={KUBE_VERSION}")
+    assert rendered.returncode == 0, rendered.stderr
+    rejected = helm.run("template", "davit", str(archive), "--set=replicaCount=-1")
+    assert rejected.returncode != 0 and "/replicaCount" in rejected.stderr
