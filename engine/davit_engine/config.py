@@ -42,7 +42,9 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ParamError("--block-size", f"must be one of 8/16/32/64/128, got {self.block_size}")
+            raise ParamError(
+                "--block-size", f"must be one of 8/16/32/64/128, got {self.block_size}"
+            )
         if self.max_num_seqs < 1:
             raise ParamError("--max-num-seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

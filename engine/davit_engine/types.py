@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token id or stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # client went away or request was cancelled
