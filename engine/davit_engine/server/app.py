@@ -20,6 +20,7 @@ from davit_engine.config import EngineConfig
 from davit_engine.ipc.client import AsyncEngineClient, EngineDeadError
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY
 from davit_engine.server.errors import install_error_handlers
+from davit_engine.server.metrics import HTTPStatusMiddleware
 from davit_engine.server.routes import chat, completions, ops
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.tokenizer import Tokenizer
@@ -97,6 +98,7 @@ def create_app(
     app = FastAPI(title="Davit engine", version=davit_engine.__version__, lifespan=lifespan)
     app.state.davit = state
     install_error_handlers(app)
+    app.add_middleware(HTTPStatusMiddleware, metrics=lambda: state.metrics)
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(ops.router)

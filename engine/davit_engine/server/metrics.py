@@ -8,7 +8,8 @@ Each app gets its own registry, so several apps can live in one process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -110,7 +111,18 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # Upstream servers export the same family (from an instrumentation middleware); rollout
+        # analysis divides the non-2xx answers by all answers of the generation routes.
+        self._http_requests = Counter(
+            "http_requests",
+            "HTTP responses of the generation routes, by route, method and status code.",
+            ["handler", "method", "status"],
+            registry=self.registry,
+        )
         self.model_name = model_name
+
+    def http_response(self, handler: str, method: str, status: int) -> None:
+        self._http_requests.labels(handler, method, str(status)).inc()
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
@@ -120,3 +132,37 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Only these paths are counted: a label per arbitrary path would let clients grow the series.
+COUNTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+
+class HTTPStatusMiddleware:
+    """Plain ASGI middleware counting the status each generation request was answered with.
+
+    It reads the status from the `http.response.start` message, so streamed responses are
+    counted once, when their headers go out, and nothing is buffered.
+    """
+
+    def __init__(self, app: Any, metrics: Callable[[], ServerMetrics]) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") != "http" or path not in COUNTED_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "")
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message.get("type") == "http.response.start":
+                self.metrics().http_response(path, method, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
