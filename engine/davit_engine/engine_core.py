@@ -10,12 +10,14 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.loader import load_model
+from davit_engine.memory.profile import MemoryProfile
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import check_logits_processors
 from davit_engine.runner.select import create_runner, resolve_device, select_runner
@@ -46,6 +48,8 @@ class ModelInfo:
     runner_reason: str
     architecture: str
     num_parameters: int
+    # The startup memory profile (davit_engine.memory.MemoryProfile.to_dict()), when measured.
+    memory_profile: dict[str, Any] | None = None
 
 
 class EngineCore:
@@ -65,6 +69,7 @@ class EngineCore:
         loaded = load_model(config, device)
         self.runner: ModelRunner = create_runner(kind, config, loaded, device)
         num_blocks = self.runner.determine_num_blocks()
+        self.memory_profile: MemoryProfile | None = getattr(self.runner, "memory_profile", None)
         capacity = num_blocks * config.block_size
         model_max = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
@@ -95,6 +100,7 @@ class EngineCore:
             runner_reason=reason,
             architecture=loaded.config.architecture,
             num_parameters=loaded.config.num_parameters(),
+            memory_profile=self.memory_profile.to_dict() if self.memory_profile else None,
         )
         self._aborted: list[RequestDelta] = []
         logger.info(

@@ -18,15 +18,16 @@ from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOut
 from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from davit_engine.layers.cpu_linear import can_prepack, prepack_linears
 from davit_engine.loader import LoadedModel
+from davit_engine.memory.profile import MemoryProfile
+from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import Sampler
-from davit_engine.types import ParamError, TokenLogprob
+from davit_engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
-# KV budget on the CPU when nothing is specified: capped so a default start never takes the
-# machine's memory, and never more than max_num_seqs full-length sequences need.
-CPU_KV_BUDGET_BYTES = 2 << 30
+# The KV cap on the CPU when nothing is specified (see davit_engine.memory.profiler).
+CPU_KV_BUDGET_BYTES = CPU_KV_CAP_BYTES
 
 
 class RunnerV1(ModelRunner):
@@ -48,6 +49,7 @@ class RunnerV1(ModelRunner):
         self.sampler = Sampler(loaded.config.eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.memory_profile: MemoryProfile | None = None
         # Tokens run through the model so far (prefix-cache hits are not among them).
         self.num_computed_tokens_total = 0
 
@@ -61,47 +63,9 @@ class RunnerV1(ModelRunner):
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
 
     def determine_num_blocks(self) -> int:
-        config = self.config
-        if config.num_gpu_blocks is not None:
-            return config.num_gpu_blocks
-        if config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
-            if num_blocks < 1:
-                raise ParamError(
-                    "--kv-cache-memory-bytes",
-                    f"{config.kv_cache_memory_bytes} bytes hold no KV block "
-                    f"(one block takes {self.block_bytes} bytes)",
-                )
-            return num_blocks
-        if self.device.type == "cuda":
-            return self._profile_cuda_blocks()
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        blocks_per_seq = -(-max_len // self.block_size)
-        wanted = config.max_num_seqs * blocks_per_seq
-        return max(1, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes))
-
-    def _profile_cuda_blocks(self) -> int:
-        """Free memory after a dummy forward at max_num_batched_tokens, times the utilization."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._dummy_forward(self.config.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_elsewhere = total - free  # weights, other processes, CUDA context
-        available = total * self.config.gpu_memory_utilization - used_elsewhere - activation_peak
-        num_blocks = int(available // self.block_bytes)
-        if num_blocks < 1:
-            raise ParamError(
-                "--gpu-memory-utilization",
-                f"no memory left for the KV cache at {self.config.gpu_memory_utilization} "
-                f"(weights and activations use {(used_elsewhere + activation_peak) / 2**30:.1f} GiB "
-                f"of {total / 2**30:.1f} GiB)",
-            )
-        return num_blocks
+        """Measured by `davit_engine.memory` (RSS on the CPU); the profile is kept."""
+        self.memory_profile = size_kv_cache(self, self._dummy_forward)
+        return self.memory_profile.memory.num_blocks
 
     def _dummy_forward(self, num_tokens: int) -> None:
         c = self.model_config

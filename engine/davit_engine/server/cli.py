@@ -14,11 +14,13 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from davit_engine.config import EngineConfig
+from davit_engine.memory.profile_only import default_output, profile_only
 from davit_engine.server.app import create_app
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.types import ParamError
@@ -110,11 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--runner", default="auto", choices=["auto", "v1", "v2"])
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--max-logprobs", type=_int_at_least(0), default=20)
+    memory = p.add_argument_group("memory profile")
+    memory.add_argument(
+        "--profile-only",
+        action="store_true",
+        help="measure memory, print the profile as JSON and exit without serving",
+    )
+    memory.add_argument(
+        "--profile-output",
+        default=None,
+        help="file for the --profile-only JSON (default: /dev/termination-log when writable)",
+    )
     return p
 
 
 def parse_args(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str]:
     """Flags to (engine config, server settings, log level); bad flags exit 2 via argparse."""
+    config, settings, log_level, _ = _parse(rest)
+    return config, settings, log_level
+
+
+def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(rest)
     config = EngineConfig(
@@ -143,7 +161,7 @@ def parse_args(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str]:
     except ParamError as exc:
         parser.error(f"argument {exc.param}: {exc.message}")
     settings = ServerSettings(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
-    return config, settings, args.log_level
+    return config, settings, args.log_level, args
 
 
 class DrainingServer(uvicorn.Server):
@@ -183,10 +201,13 @@ class DrainingServer(uvicorn.Server):
 
 def serve_main(rest: list[str]) -> int:
     """Entry point of `davit serve`; returns the process exit status."""
-    config, settings, log_level = parse_args(rest)
+    config, settings, log_level, args = _parse(rest)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.profile_only:
+        output = Path(args.profile_output) if args.profile_output else default_output()
+        return profile_only(config, output)
     exit_code = 0
     server: DrainingServer | None = None
 

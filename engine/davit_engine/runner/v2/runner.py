@@ -25,13 +25,14 @@ from davit_engine.kernels.input_prep import InputBuffers, prepare_inputs
 from davit_engine.kernels.paged_attention import default_num_splits
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.loader import LoadedModel
+from davit_engine.memory.profile import MemoryProfile
+from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
 from davit_engine.runner.v2.pending import PendingStep
 from davit_engine.runner.v2.sampler import sample_step
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
-from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class RunnerV2(ModelRunner):
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.memory_profile: MemoryProfile | None = None
         self.max_model_len = 0
         self.state: RequestStateTable | None = None
         self.inputs: InputBuffers | None = None
@@ -85,41 +87,16 @@ class RunnerV2(ModelRunner):
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
 
     def determine_num_blocks(self) -> int:
-        config = self.config
-        if config.num_gpu_blocks is not None:
-            return config.num_gpu_blocks
-        if config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
-            if num_blocks < 1:
-                raise ParamError(
-                    "--kv-cache-memory-bytes",
-                    f"{config.kv_cache_memory_bytes} bytes hold no KV block "
-                    f"(one block takes {self.block_bytes} bytes)",
-                )
-            return int(num_blocks)
-        if self.device.type != "cuda":
-            raise ParamError(
-                "--num-gpu-blocks-override", "runner V2 off CUDA needs an explicit KV size"
-            )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._dummy_prefill(self.config.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Graph pool and logits of the largest decode graph are not in the profile: keep 4%.
-        budget = total * (self.config.gpu_memory_utilization - 0.04)
-        available = budget - (total - free) - activation_peak
-        num_blocks = int(available // self.block_bytes)
-        if num_blocks < 1:
-            raise ParamError(
-                "--gpu-memory-utilization",
-                f"no memory left for the KV cache at {self.config.gpu_memory_utilization}",
-            )
-        return num_blocks
+        """Measured by `davit_engine.memory` (CUDA graphs included); the profile is kept."""
+        probe = None
+        if self.use_graphs:
+            from davit_engine.memory.graph_probe import probe_v2_graphs
+
+            def probe() -> tuple[int, int, tuple[int, ...]]:
+                return probe_v2_graphs(self)
+
+        self.memory_profile = size_kv_cache(self, self._dummy_prefill, probe)
+        return self.memory_profile.memory.num_blocks
 
     def _dummy_prefill(self, num_tokens: int) -> None:
         c = self.model_config

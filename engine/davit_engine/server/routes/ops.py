@@ -64,6 +64,18 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
+@router.get("/v1/engine/profile")
+async def engine_profile(request: Request) -> Response:
+    """The memory profile the engine core measured at startup (davit_engine.memory)."""
+    state = get_state(request)
+    if not state.loaded:
+        raise OpenAIError(503, "the model is still loading")
+    profile = state.model_info.get("memory_profile")
+    if profile is None:
+        raise OpenAIError(404, "this engine started without a memory profile")
+    return JSONResponse(profile)
+
+
 @router.get("/v1/engine/info")
 async def engine_info(request: Request) -> Response:
     """The core's ModelInfo (blocks, dtype, device, runner and why it was picked) and stats.

@@ -1,0 +1,20 @@
+"""Startup memory profiling and the profile it produces.
+
+`profile` (plain data, no torch) is what the operator reads; `profiler` measures a runner.
+"""
+
+from davit_engine.memory.profile import (
+    SCHEMA_VERSION,
+    MemoryBreakdown,
+    MemoryProfile,
+    ProfileFormatError,
+    ProfileIdentity,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MemoryBreakdown",
+    "MemoryProfile",
+    "ProfileFormatError",
+    "ProfileIdentity",
+]

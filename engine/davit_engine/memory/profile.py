@@ -1,0 +1,179 @@
+"""The memory profile: what the engine measured at startup and for which configuration.
+
+Plain dataclasses and JSON, no torch: the operator imports this module to read the profiles
+that profiling Jobs write into their termination message.
+
+A profile has two halves. `ProfileIdentity` names everything the numbers depend on (image,
+model, device, runner, limits); two engines with equal identities get equal numbers, so one
+measurement serves every replica. `MemoryBreakdown` holds the numbers:
+
+    kv_cache_bytes = budget_bytes - weights - activation_peak - cuda_graphs
+                     - runner_buffers - non_torch
+    budget_bytes   = total_bytes * gpu_memory_utilization
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, Literal
+
+SCHEMA_VERSION = 1
+PROFILE_KIND = "DavitMemoryProfile"
+
+KvSource = Literal["profile", "explicit", "override"]
+
+
+class ProfileFormatError(ValueError):
+    """A document that is not a memory profile this code can read (names what is wrong)."""
+
+
+@dataclass(frozen=True)
+class ProfileIdentity:
+    """What the measured numbers depend on. `hash()` keys stored profiles.
+
+    Empty strings mean "not known here" (no image digest outside a container, no GPU on a CPU
+    run); they still take part in the hash, so a known and an unknown value never match.
+    """
+
+    engine_version: str
+    image_digest: str
+    model: str
+    model_revision: str
+    dtype: str
+    device: str  # "cuda" or "cpu"
+    gpu_product: str
+    device_memory_bytes: int
+    driver_version: str
+    cuda_version: str
+    runner: str
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    gpu_memory_utilization: float
+    cuda_graphs: bool
+
+    def hash(self) -> str:
+        """A short stable digest of every field (sorted JSON, sha256, 16 hex digits)."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per component, and what they leave for the KV cache.
+
+    `method` says how the numbers were taken: "cuda" (torch's allocator statistics and the
+    driver's free memory) or "cpu-rss" (parameter bytes and the process's resident set).
+    """
+
+    method: str
+    total_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    cuda_graph_bytes: int
+    runner_buffer_bytes: int
+    non_torch_bytes: int
+    kv_cache_bytes: int
+    block_bytes: int
+    num_blocks: int
+    token_capacity: int
+    max_concurrency: float  # full-length (max_model_len) sequences the KV cache holds
+    kv_source: KvSource
+    cuda_graph_sizes: tuple[int, ...] = ()
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Everything the engine holds while serving at its largest batch."""
+        return (
+            self.weights_bytes
+            + self.activation_peak_bytes
+            + self.cuda_graph_bytes
+            + self.runner_buffer_bytes
+            + self.non_torch_bytes
+            + self.num_blocks * self.block_bytes
+        )
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    identity: ProfileIdentity
+    memory: MemoryBreakdown
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        memory = asdict(self.memory)
+        memory["cuda_graph_sizes"] = list(self.memory.cuda_graph_sizes)
+        return {
+            "kind": PROFILE_KIND,
+            "schemaVersion": self.schema_version,
+            "identityHash": self.identity.hash(),
+            "identity": asdict(self.identity),
+            "memory": memory,
+        }
+
+    def to_json(self) -> str:
+        """One line of sorted JSON (a termination message holds at most 4096 bytes)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MemoryProfile:
+        if not isinstance(data, dict):
+            raise ProfileFormatError(f"a profile is a JSON object, got {type(data).__name__}")
+        if data.get("kind") != PROFILE_KIND:
+            raise ProfileFormatError(f"kind must be {PROFILE_KIND!r}, got {data.get('kind')!r}")
+        version = data.get("schemaVersion")
+        if version != SCHEMA_VERSION:
+            raise ProfileFormatError(
+                f"schemaVersion {version!r} is not supported (this code reads {SCHEMA_VERSION})"
+            )
+        identity = _build(ProfileIdentity, data.get("identity"), "identity")
+        memory_data = dict(data.get("memory") or {})
+        memory_data["cuda_graph_sizes"] = tuple(memory_data.get("cuda_graph_sizes") or ())
+        memory = _build(MemoryBreakdown, memory_data, "memory")
+        profile = cls(identity=identity, memory=memory)
+        stated = data.get("identityHash")
+        if stated is not None and stated != identity.hash():
+            raise ProfileFormatError(
+                f"identityHash {stated!r} does not match the identity ({identity.hash()})"
+            )
+        return profile
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryProfile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileFormatError(f"not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _build(kind: Any, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileFormatError(f"{where} must be an object")
+    names = {f.name: f for f in fields(kind)}
+    missing = [
+        n
+        for n, f in names.items()
+        if n not in data and f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing:
+        raise ProfileFormatError(f"{where} lacks {', '.join(sorted(missing))}")
+    values: dict[str, Any] = {}
+    for name, f in names.items():
+        if name not in data:
+            continue
+        value = data[name]
+        expected = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if expected == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ProfileFormatError(f"{where}.{name} must be an integer, got {value!r}")
+        if expected == "str" and not isinstance(value, str):
+            raise ProfileFormatError(f"{where}.{name} must be a string, got {value!r}")
+        if expected == "float" and not isinstance(value, int | float):
+            raise ProfileFormatError(f"{where}.{name} must be a number, got {value!r}")
+        values[name] = float(value) if expected == "float" else value
+    return kind(**values)

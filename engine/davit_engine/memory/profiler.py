@@ -1,0 +1,320 @@
+"""Measure a runner's memory before the KV cache exists and size the KV cache from it.
+
+Called from the runners' `determine_num_blocks()`, after the weights are loaded:
+
+1. weights: what torch's allocator holds right after loading (CUDA), or the parameter bytes
+   (CPU);
+2. activation peak: one dummy forward over `max_num_batched_tokens` tokens, then the sampler
+   over `max_num_seqs` rows with top-k and top-p active (the whole-row search path), inside one
+   peak window; the dummy forward's own small KV cache is subtracted;
+3. CUDA graphs (runner V2 on CUDA): the runner's persistent buffers are allocated for a probe
+   KV cache of one full-length sequence and the real decode graphs are captured into a private
+   pool exactly as `initialize_kv_cache` will capture them; the pool's size is what stays
+   reserved after the capture. The probe is then released and the run captures again with the
+   same shapes, so the same pool size;
+4. memory outside torch's allocator (CUDA context, cuBLAS/Triton workspaces, other processes on
+   the device): device used - torch reserved, after the probe.
+
+On the CPU the same steps run on the resident set size (`/proc/self/status`), with the peak
+reset through `/proc/self/clear_refs` where the kernel allows it, and the KV cache capped at
+`CPU_KV_CAP_BYTES` and at what `max_num_seqs` full-length sequences need.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import davit_engine
+from davit_engine.memory.profile import (
+    KvSource,
+    MemoryBreakdown,
+    MemoryProfile,
+    ProfileIdentity,
+)
+from davit_engine.types import ParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# KV budget on the CPU: a default start never takes the machine's memory.
+CPU_KV_CAP_BYTES = 2 << 30
+IMAGE_DIGEST_ENV = "DAVIT_IMAGE_DIGEST"
+MODEL_REVISION_ENV = "DAVIT_MODEL_REVISION"
+# Sampling parameters of the sampler probe: the filtered (whole-row search) path.
+_PROBE_TOP_K = 50
+_PROBE_TOP_P = 0.9
+
+
+def size_kv_cache(
+    runner: Any,
+    dummy_forward: Callable[[int], None],
+    probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None = None,
+) -> MemoryProfile:
+    """Profile `runner` (a RunnerV1 or RunnerV2 with weights loaded, no KV cache yet).
+
+    `dummy_forward(n)` runs one forward over n tokens; `probe_graphs()` (CUDA graphs on)
+    returns (runner buffer bytes, graph pool bytes, captured batch sizes) and leaves nothing
+    allocated. Raises ParamError naming the flag when nothing is left for the KV cache or an
+    explicit `--kv-cache-memory-bytes` does not fit beside the measured components.
+    """
+    config = runner.config
+    block_bytes = int(runner.block_bytes)
+    max_model_len = config.max_model_len or runner.model_config.max_position_embeddings
+    if config.num_gpu_blocks is not None:
+        breakdown = _unmeasured(runner, block_bytes, config.num_gpu_blocks, max_model_len)
+        return MemoryProfile(identity=_identity(runner, max_model_len), memory=breakdown)
+    if runner.device.type == "cuda":
+        measured = _measure_cuda(runner, dummy_forward, probe_graphs)
+    else:
+        measured = _measure_cpu(runner, dummy_forward)
+    (method, total, weights, activation, graphs, buffers, non_torch, sizes) = measured
+    budget = int(total * config.gpu_memory_utilization)
+    used = weights + activation + graphs + buffers + non_torch
+    source: KvSource
+    if config.kv_cache_memory_bytes is not None:
+        source = "explicit"
+        kv_bytes = int(config.kv_cache_memory_bytes)
+        if used + kv_bytes > total:
+            raise ParamError(
+                "--kv-cache-memory-bytes",
+                f"{kv_bytes} bytes of KV cache do not fit: {_gib(weights)} weights + "
+                f"{_gib(activation)} activations + {_gib(graphs)} CUDA graphs + "
+                f"{_gib(buffers)} runner buffers + {_gib(non_torch)} outside torch leave "
+                f"{_gib(max(0, total - used))} of the device's {_gib(total)}",
+            )
+        if used + kv_bytes > budget:
+            logger.warning(
+                "--kv-cache-memory-bytes %d goes beyond --gpu-memory-utilization %.2f by %s",
+                kv_bytes,
+                config.gpu_memory_utilization,
+                _gib(used + kv_bytes - budget),
+            )
+    else:
+        source = "profile"
+        kv_bytes = budget - used
+        if method.startswith("cpu"):
+            blocks_per_seq = -(-max_model_len // config.block_size)
+            wanted = config.max_num_seqs * blocks_per_seq * block_bytes
+            kv_bytes = min(kv_bytes, CPU_KV_CAP_BYTES, wanted)
+        if kv_bytes < block_bytes:
+            raise ParamError(
+                "--gpu-memory-utilization",
+                f"no memory left for the KV cache at {config.gpu_memory_utilization}: "
+                f"{_gib(weights)} weights + {_gib(activation)} activations + {_gib(graphs)} "
+                f"CUDA graphs + {_gib(buffers)} runner buffers + {_gib(non_torch)} outside "
+                f"torch use {_gib(used)} of a {_gib(budget)} budget ({_gib(total)} total)",
+            )
+    num_blocks = kv_bytes // block_bytes
+    if num_blocks < 1:
+        raise ParamError(
+            "--kv-cache-memory-bytes",
+            f"{kv_bytes} bytes hold no KV block (one block takes {block_bytes} bytes)",
+        )
+    capacity = num_blocks * config.block_size
+    breakdown = MemoryBreakdown(
+        method=method,
+        total_bytes=total,
+        budget_bytes=budget,
+        weights_bytes=weights,
+        activation_peak_bytes=activation,
+        cuda_graph_bytes=graphs,
+        runner_buffer_bytes=buffers,
+        non_torch_bytes=non_torch,
+        kv_cache_bytes=kv_bytes,
+        block_bytes=block_bytes,
+        num_blocks=int(num_blocks),
+        token_capacity=int(capacity),
+        max_concurrency=round(capacity / max_model_len, 3),
+        kv_source=source,
+        cuda_graph_sizes=sizes,
+    )
+    profile = MemoryProfile(identity=_identity(runner, max_model_len), memory=breakdown)
+    logger.info("memory profile: %s", profile.to_json())
+    return profile
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _unmeasured(
+    runner: Any, block_bytes: int, num_blocks: int, max_model_len: int
+) -> MemoryBreakdown:
+    """`--num-gpu-blocks-override`: no measurement, only the block arithmetic."""
+    capacity = num_blocks * runner.config.block_size
+    return MemoryBreakdown(
+        method="none",
+        total_bytes=0,
+        budget_bytes=0,
+        weights_bytes=_parameter_bytes(runner.model),
+        activation_peak_bytes=0,
+        cuda_graph_bytes=0,
+        runner_buffer_bytes=0,
+        non_torch_bytes=0,
+        kv_cache_bytes=num_blocks * block_bytes,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        token_capacity=capacity,
+        max_concurrency=round(capacity / max_model_len, 3),
+        kv_source="override",
+    )
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _dummy_cache_bytes(runner: Any, num_tokens: int) -> int:
+    num_tokens = max(1, min(num_tokens, runner.model_config.max_position_embeddings))
+    return int(-(-num_tokens // runner.config.block_size) * runner.block_bytes)
+
+
+def _run_sampler_probe(runner: Any) -> None:
+    """The sampler over max_num_seqs rows with top-k/top-p on (and logprobs when allowed)."""
+    config = runner.config
+    rows, vocab = config.max_num_seqs, runner.model_config.vocab_size
+    device = runner.device
+    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device)  # [B, V]
+    with torch.inference_mode():
+        if device.type == "cuda" and not hasattr(runner, "sampler"):
+            from davit_engine.kernels.sampling import SamplingTable, sample
+
+            table = SamplingTable(
+                temperature=torch.ones(rows, dtype=torch.float32, device=device),
+                top_k=torch.full((rows,), _PROBE_TOP_K, dtype=torch.int32, device=device),
+                top_p=torch.full((rows,), _PROBE_TOP_P, dtype=torch.float32, device=device),
+                min_p=torch.zeros(rows, dtype=torch.float32, device=device),
+                seed=torch.zeros(rows, dtype=torch.int32, device=device),
+            )
+            slots = torch.arange(rows, dtype=torch.int32, device=device)
+            if config.max_logprobs > 0:
+                torch.log_softmax(logits, dim=-1)
+            sample(logits, slots, slots, table)
+            return
+        from davit_engine.core.batch import ScheduledRequest
+        from davit_engine.runner.sampler import Sampler
+
+        sampler = getattr(runner, "sampler", None) or Sampler(runner.model_config.eos_token_ids)
+        params = SamplingParams(
+            top_k=_PROBE_TOP_K,
+            top_p=_PROBE_TOP_P,
+            logprobs=min(config.max_logprobs, 20) or None,
+        )
+        requests = [
+            ScheduledRequest(f"probe-{i}", [0], 1, 0, 1, [], params, True) for i in range(rows)
+        ]
+        sampler.sample(logits, requests)
+
+
+def _measure_cuda(
+    runner: Any,
+    dummy_forward: Callable[[int], None],
+    probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None,
+) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
+    device = runner.device
+    config = runner.config
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    dummy_forward(config.max_num_batched_tokens)
+    _run_sampler_probe(runner)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - weights
+    activation = max(0, peak - _dummy_cache_bytes(runner, config.max_num_batched_tokens))
+    torch.cuda.empty_cache()
+    buffers, graphs, sizes = probe_graphs() if probe_graphs is not None else (0, 0, ())
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return ("cuda", int(total), weights, activation, graphs, buffers, int(non_torch), sizes)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _cpu_total_bytes() -> int:
+    """The cgroup's memory limit when one is set, else the machine's memory."""
+    limit = Path("/sys/fs/cgroup/memory.max")
+    try:
+        text = limit.read_text().strip()
+        if text != "max":
+            return int(text)
+    except (OSError, ValueError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _measure_cpu(
+    runner: Any, dummy_forward: Callable[[int], None]
+) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
+    config = runner.config
+    weights = _parameter_bytes(runner.model)
+    rss_before = _status_kib("VmRSS")
+    method = "cpu-rss" if _reset_peak_rss() else "cpu-rss-unreset"
+    dummy_forward(config.max_num_batched_tokens)
+    _run_sampler_probe(runner)
+    peak = _status_kib("VmHWM")
+    activation = max(
+        0, peak - rss_before - _dummy_cache_bytes(runner, config.max_num_batched_tokens)
+    )
+    non_torch = max(0, rss_before - weights)
+    return (method, _cpu_total_bytes(), weights, activation, 0, 0, non_torch, ())
+
+
+def _driver_version() -> str:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return ""
+    for word in text.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return word
+    return ""
+
+
+def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
+    config = runner.config
+    device = runner.device
+    is_cuda = device.type == "cuda"
+    props = torch.cuda.get_device_properties(device) if is_cuda else None
+    return ProfileIdentity(
+        engine_version=davit_engine.__version__,
+        image_digest=os.environ.get(IMAGE_DIGEST_ENV, ""),
+        model=config.model,
+        model_revision=os.environ.get(MODEL_REVISION_ENV, ""),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        device=device.type,
+        gpu_product=props.name if props is not None else "",
+        device_memory_bytes=int(props.total_memory) if props is not None else 0,
+        driver_version=_driver_version() if is_cuda else "",
+        cuda_version=(torch.version.cuda or "") if is_cuda else "",
+        runner=runner.name,
+        tensor_parallel_size=1,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        cuda_graphs=bool(getattr(runner, "use_graphs", False)),
+    )
