@@ -531,6 +531,10 @@ class PodSpecOverrides(CrdModel):
     )
 
 
+# Imported here, not at the top: rollout.py builds on the base models defined above.
+from davit_operator.api.rollout import RolloutSpec  # noqa: E402
+
+
 class InferenceServiceSpec(CrdModel):
     """Desired state of one served model."""
 
@@ -595,4 +599,10 @@ class InferenceServiceSpec(CrdModel):
         default_factory=PodSpecOverrides,
         json_schema_extra={"default": _object_default(PodSpecOverrides)},
         description="Pod-level overrides: node selector, tolerations, resources, env, account.",
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        json_schema_extra={"default": _object_default(RolloutSpec)},
+        description="How spec changes reach the replicas: rolling or canary, metric gates, "
+        "automatic rollback, pause, drain time.",
     )

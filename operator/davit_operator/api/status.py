@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from davit_operator.api.rollout import RevisionRecord, RolloutStatus
 from davit_operator.api.spec import CrdModel
 
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -89,4 +90,12 @@ class InferenceServiceStatus(CrdModel):
     replica_summary: str | None = Field(default=None, description="READY/DESIRED (printer column).")
     url: str | None = Field(
         default=None, description="In-cluster base URL of the OpenAI-compatible API."
+    )
+    rollout: RolloutStatus | None = Field(
+        default=None, description="The rollout of the latest spec change."
+    )
+    revisions: list[RevisionRecord] = Field(
+        default_factory=list,
+        max_length=10,
+        description="Revision history, newest last: hash, image, arguments, when, outcome.",
     )
