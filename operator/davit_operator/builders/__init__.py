@@ -17,6 +17,13 @@ from davit_operator.planning.args import MODEL_CACHE_DIR
 MANAGED_BY = "davit-operator"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"
 STARTUP_FAILURE_THRESHOLD = 180  # x 10 s: half an hour to download and load large weights
+PRESTOP_SLEEP_SECONDS = 5  # longer than endpoint propagation, short against a drain
+EXIT_MARGIN_SECONDS = 10  # engine shutdown after the drain (core process, sockets)
+
+
+def termination_grace_seconds(drain_seconds: int) -> int:
+    """Grace period covering the pre-stop delay, the engine's drain and its exit."""
+    return PRESTOP_SLEEP_SECONDS + drain_seconds + EXIT_MARGIN_SECONDS
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ def _container(plan: Plan) -> dict[str, Any]:
         "livenessProbe": _probe(plan.health.liveness, 10, 6),
         "startupProbe": _probe(plan.health.liveness, 10, STARTUP_FAILURE_THRESHOLD),
         "volumeMounts": mounts,
+        # Let endpoints drop the pod before SIGTERM starts the engine's drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
     }
 
 
@@ -113,8 +122,8 @@ def deployment(plan: Plan, owner: Owner) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [_container(plan)],
         "volumes": volumes,
-        # Engines drain in-flight requests on SIGTERM.
-        "terminationGracePeriodSeconds": 60,
+        # Engines drain in-flight requests on SIGTERM: pre-stop delay + drain + exit margin.
+        "terminationGracePeriodSeconds": termination_grace_seconds(plan.spec.rollout.drain_seconds),
     }
     if plan.placement.node_selector:
         pod_spec["nodeSelector"] = plan.placement.node_selector
@@ -131,11 +140,15 @@ def deployment(plan: Plan, owner: Owner) -> dict[str, Any]:
         "spec": {
             "replicas": plan.replicas,
             "selector": {"matchLabels": selector_labels(plan.name)},
-            # Accelerators are scarce: never start an extra replica during a rollout.
+            # Accelerators are scarce: by default no extra replica starts during a rollout.
             "strategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+                "rollingUpdate": {
+                    "maxSurge": plan.spec.rollout.rolling.max_surge,
+                    "maxUnavailable": plan.spec.rollout.rolling.max_unavailable,
+                },
             },
+            "progressDeadlineSeconds": plan.spec.rollout.progress_deadline_seconds,
             "template": {"metadata": {"labels": common_labels(plan)}, "spec": pod_spec},
         },
     }

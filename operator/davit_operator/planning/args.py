@@ -142,6 +142,9 @@ def engine_invocation(
         args += ["--speculative-config", speculative]
     if spec.features.custom_logits_processors:
         args += ["--logits-processors", *spec.features.custom_logits_processors]
+    if spec.engine.type == "davit":
+        # The pods' termination grace period is sized from the same number (builders).
+        args += ["--drain-timeout", str(spec.rollout.drain_seconds)]
 
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"}]
     selection = engine.runner_selection
