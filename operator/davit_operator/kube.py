@@ -32,6 +32,7 @@ KIND_PATHS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Pod": ("/api/v1", "pods"),
 }
 
 
@@ -224,6 +225,15 @@ class KubeClient:
             raise self._fail("GET", path, response)
         live: dict[str, Any] = response.json()
         return live
+
+    async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """Objects of `kind` in `namespace` matching the label selector."""
+        path = _object_path(kind, namespace)
+        response = await self._request("GET", path, params={"labelSelector": label_selector})
+        if response.status_code >= 300:
+            raise self._fail("GET", path, response)
+        items: list[dict[str, Any]] = response.json().get("items") or []
+        return items
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete the object with this uid (a same-named replacement is left alone)."""
