@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -190,6 +191,11 @@ def run_engine_core(
     # parent itself dies, the loop notices through getppid() and exits.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The core shares CPU cores with the API process (which tokenizes and streams every token);
+    # OpenMP's default spin-waiting then makes multi-threaded CPU ops many times slower.
+    # Must be set before torch loads OpenMP; an explicit setting by the user wins.
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
     try:
         core = resolve_factory(factory_path)(config)
