@@ -45,6 +45,7 @@ OWNED_FLAGS = (
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--gpu-memory-utilization",
+    "--kv-cache-memory-bytes",
     "--runner",
     "--revision",
     "--speculative-config",
@@ -77,6 +78,22 @@ class CrdModel(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
     )
+
+
+class ModelShapeSpec(CrdModel):
+    """The architecture numbers of config.json that the pre-flight memory check needs."""
+
+    num_layers: int = Field(ge=1, le=1024, description="num_hidden_layers.")
+    hidden_size: int = Field(ge=1, le=1_048_576, description="hidden_size.")
+    intermediate_size: int = Field(ge=1, le=4_194_304, description="intermediate_size.")
+    num_heads: int = Field(ge=1, le=4096, description="num_attention_heads.")
+    num_kv_heads: int = Field(ge=1, le=4096, description="num_key_value_heads.")
+    head_dim: int = Field(ge=1, le=4096, description="head_dim.")
+    vocab_size: int = Field(ge=1, le=16_777_216, description="vocab_size.")
+    max_position_embeddings: int = Field(
+        ge=1, le=10_485_760, description="max_position_embeddings."
+    )
+    tie_word_embeddings: bool = Field(default=False, description="tie_word_embeddings.")
 
 
 class ModelSpec(CrdModel):
@@ -141,6 +158,13 @@ class ModelSpec(CrdModel):
         description=(
             "Model name clients send in OpenAI requests. Defaults to ORG/NAME of the source "
             "(the last path element for pvc://)."
+        ),
+    )
+    shape: ModelShapeSpec | None = Field(
+        default=None,
+        description=(
+            "The model's architecture for the pre-flight memory check, when the operator's "
+            "catalog of known shapes does not have it."
         ),
     )
 
@@ -427,6 +451,14 @@ class LimitsSpec(CrdModel):
         gt=0.0,
         le=1.0,
         description="Fraction of each GPU's memory the engine may use (0 < x <= 1).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "KV-cache bytes per GPU, passed to every replica as --kv-cache-memory-bytes. "
+            "Unset: the operator profiles the engine once per identity and passes the result."
+        ),
     )
 
 

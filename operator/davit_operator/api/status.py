@@ -61,6 +61,38 @@ class RunnerStatus(CrdModel):
     reason: str = Field(description="Why this runner was selected.")
 
 
+class MemoryPlanStatus(CrdModel):
+    source: Literal["explicit", "profile", "estimate", "pending"] = Field(
+        description=(
+            "Where the KV-cache size comes from: limits.kvCacheMemoryBytes (explicit), a "
+            "measured engine profile (profile), the model shape (estimate), or a profiling Job "
+            "still running (pending)."
+        )
+    )
+    identity_hash: str = Field(
+        max_length=64, description="Hash of what the profile depends on (labels the profile)."
+    )
+    message: str = Field(default="", max_length=1024, description="How the numbers were made.")
+    profile: str | None = Field(default=None, description="ConfigMap holding the profile.")
+    kv_cache_bytes: int | None = Field(default=None, description="KV-cache bytes per GPU.")
+    weights_bytes: int | None = Field(default=None, description="Weight bytes per GPU.")
+    activation_bytes: int | None = Field(
+        default=None, description="Peak activations incl. the sampler, bytes per GPU."
+    )
+    cuda_graph_bytes: int | None = Field(default=None, description="CUDA-graph pool bytes.")
+    runner_buffer_bytes: int | None = Field(
+        default=None, description="Runner's persistent buffers (request state, inputs)."
+    )
+    non_torch_bytes: int | None = Field(
+        default=None, description="Memory outside torch's allocator (context, workspaces)."
+    )
+    token_capacity: int | None = Field(default=None, description="Tokens the KV cache holds.")
+    max_model_len: int | None = Field(default=None, description="maxModelLen the plan assumes.")
+    max_concurrency: str | None = Field(
+        default=None, description="Full-length (maxModelLen) sequences the KV cache holds."
+    )
+
+
 class InferenceServiceStatus(CrdModel):
     observed_generation: int | None = Field(
         default=None, description="metadata.generation the status describes."
@@ -74,6 +106,9 @@ class InferenceServiceStatus(CrdModel):
         default=None, description="The exact engine artifact the pods run."
     )
     runner: RunnerStatus | None = Field(default=None, description="Selected model runner.")
+    memory_plan: MemoryPlanStatus | None = Field(
+        default=None, description="KV-cache sizing: source, components, capacity."
+    )
     engine: str | None = Field(default=None, description="Summary: TYPE VERSION (printer column).")
     accelerator: str | None = Field(
         default=None, description="Summary: COUNT x PRODUCT per replica (printer column)."

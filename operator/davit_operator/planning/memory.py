@@ -1,0 +1,409 @@
+"""Memory planning: the pre-flight fit check, the profile identity and the memory plan.
+
+Pure functions (no I/O). Three sources size the KV cache, in this order of preference:
+- `explicit`: `limits.kvCacheMemoryBytes` in the spec, passed to every replica as is;
+- `profile`: a measured engine profile (davit_engine.memory) stored for this identity, whose
+  KV bytes every replica gets as `--kv-cache-memory-bytes`;
+- `estimate`: arithmetic from the model's shape and the accelerator's memory; used for the
+  pre-flight check and reported while no profile exists (engines then size themselves).
+
+The profile identity is what the measured numbers depend on and the operator knows before any
+pod runs: the image (digest when pinned), engine version, model source and revision, GPU product
+and count, parallelism, limits, runner and extra engine arguments. Its hash labels the stored
+profile; an unchanged identity reuses it, any change makes a new profiling Job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from davit_engine.memory.profile import MemoryProfile
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.planning.errors import PlanError
+
+if TYPE_CHECKING:
+    from davit_operator.planning import Plan
+
+MemorySource = Literal["explicit", "profile", "estimate", "pending"]
+
+# Engine defaults when the spec leaves a limit unset (the engine's own flag defaults).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_BLOCK_SIZE = 16
+ACCELERATOR_DTYPE_BYTES = 2  # bf16 on accelerators
+# Estimates of what the shape does not say: CUDA context and library workspaces, and the
+# CUDA-graph pool (per decode row: fp32 logits plus a few hidden-size buffers per layer).
+NON_TORCH_ESTIMATE_BYTES = 1 << 30
+KV_FLAG = "--kv-cache-memory-bytes"
+
+
+class ShapeError(ValueError):
+    """The shape catalog is malformed (names the file and the field)."""
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelShape(_Data):
+    """The architecture numbers that size weights, activations and the KV cache."""
+
+    names: tuple[str, ...] = ()
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    max_position_embeddings: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+
+    @property
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings + h
+
+
+class ShapeCatalog(_Data):
+    schema_version: Literal[1]
+    shapes: dict[str, ModelShape]
+    accelerator_memory_mi_b: dict[str, int] = Field(alias="acceleratorMemoryMiB")
+
+    def find(self, key: str) -> ModelShape | None:
+        """A shape by its name or by one of its repository ids (without case)."""
+        wanted = key.lower()
+        for name, shape in self.shapes.items():
+            if wanted == name or wanted in (n.lower() for n in shape.names):
+                return shape
+        return None
+
+    def device_bytes(self, product: str | None) -> int | None:
+        if product is None or product not in self.accelerator_memory_mi_b:
+            return None
+        return self.accelerator_memory_mi_b[product] * 2**20
+
+
+def load_shape_catalog(path: Path | None = None) -> ShapeCatalog:
+    """Load `model_shapes.yaml` (default: the packaged one); ShapeError names what is wrong."""
+    source: Path | resources.abc.Traversable = (
+        path
+        if path is not None
+        else resources.files("davit_operator.catalog").joinpath("model_shapes.yaml")
+    )
+    try:
+        return ShapeCatalog.model_validate(yaml.safe_load(source.read_text()))
+    except (ValidationError, yaml.YAMLError) as exc:
+        raise ShapeError(f"{source}: {exc}") from exc
+
+
+def shape_for(spec: InferenceServiceSpec, catalog: ShapeCatalog) -> ModelShape | None:
+    """model.shape when given, else the catalog's entry for the source; None when unknown."""
+    explicit = getattr(spec.model, "shape", None)
+    if explicit is not None:
+        return ModelShape.model_validate(explicit.model_dump())
+    scheme, _, rest = spec.model.source.partition("://")
+    if scheme in ("hf", "random"):
+        return catalog.find(rest)
+    return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The spec's limits with the engine defaults filled in."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+
+
+def effective_limits(spec: InferenceServiceSpec, shape: ModelShape) -> Limits:
+    lim = spec.limits
+    return Limits(
+        max_model_len=lim.max_model_len or shape.max_position_embeddings,
+        max_num_seqs=lim.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens=lim.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        gpu_memory_utilization=lim.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one tensor-parallel rank, from the shape alone."""
+
+    device_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    non_torch_bytes: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    largest_max_model_len: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.activation_bytes
+            + self.cuda_graph_bytes
+            + self.non_torch_bytes
+        )
+
+    @property
+    def one_sequence_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.max_model_len
+
+    @property
+    def fits(self) -> bool:
+        return self.fixed_bytes + self.one_sequence_bytes <= self.budget_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.fixed_bytes)
+
+
+def estimate_memory(
+    shape: ModelShape,
+    limits: Limits,
+    device_bytes: int,
+    tensor_parallel: int,
+    dtype_bytes: int = ACCELERATOR_DTYPE_BYTES,
+) -> MemoryEstimate:
+    """Weights, activations at the token budget, the sampler's logits, a CUDA-graph allowance
+    and a non-torch allowance per rank; what is left is KV cache."""
+    tp = tensor_parallel
+    kv_heads = -(-shape.num_kv_heads // tp)
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
+    weights = shape.num_parameters * dtype_bytes // tp
+    t = limits.max_num_batched_tokens
+    width = (
+        4 * shape.hidden_size
+        + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp
+        + 2 * shape.intermediate_size // tp
+    )
+    logits = limits.max_num_seqs * shape.vocab_size * 4
+    activation = t * width * dtype_bytes + 3 * logits
+    graphs = logits + limits.max_num_seqs * shape.hidden_size * dtype_bytes * 8
+    budget = int(device_bytes * limits.gpu_memory_utilization)
+    room = budget - (weights + activation + graphs + NON_TORCH_ESTIMATE_BYTES)
+    largest = 0
+    if room > 0:
+        largest = room // per_token // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+        largest = min(largest, shape.max_position_embeddings)
+    return MemoryEstimate(
+        device_bytes=device_bytes,
+        budget_bytes=budget,
+        weights_bytes=weights,
+        activation_bytes=activation,
+        cuda_graph_bytes=graphs,
+        non_torch_bytes=NON_TORCH_ESTIMATE_BYTES,
+        kv_bytes_per_token=per_token,
+        max_model_len=limits.max_model_len,
+        largest_max_model_len=int(largest),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def preflight(
+    spec: InferenceServiceSpec, catalog: ShapeCatalog, product: str | None
+) -> MemoryEstimate | None:
+    """The estimate for one full-length sequence per tensor-parallel group; None when the shape
+    or the device memory is unknown. Raises PlanError (InsufficientMemory) when it cannot fit,
+    with the numbers and the largest maxModelLen that would."""
+    shape = shape_for(spec, catalog)
+    device = catalog.device_bytes(product)
+    if shape is None or device is None:
+        return None
+    limits = effective_limits(spec, shape)
+    tp = spec.parallelism.tensor
+    estimate = estimate_memory(shape, limits, device, tp)
+    if estimate.fits:
+        return estimate
+    need = estimate.fixed_bytes + estimate.one_sequence_bytes
+    detail = (
+        f"{spec.model.source} needs {_gib(need)} per GPU at maxModelLen {limits.max_model_len} "
+        f"(weights {_gib(estimate.weights_bytes)}, activations {_gib(estimate.activation_bytes)}"
+        f", CUDA graphs {_gib(estimate.cuda_graph_bytes)}, outside torch "
+        f"{_gib(estimate.non_torch_bytes)}, KV for one sequence "
+        f"{_gib(estimate.one_sequence_bytes)}) but {product} x{tp} (tensor parallel) gives "
+        f"{_gib(estimate.budget_bytes)} per GPU at gpuMemoryUtilization "
+        f"{limits.gpu_memory_utilization}"
+    )
+    if estimate.largest_max_model_len > 0:
+        advice = f"the largest maxModelLen that fits is {estimate.largest_max_model_len}"
+        field = "limits.maxModelLen"
+    else:
+        fitting = [
+            n for n in (2, 4, 8, 16) if n > tp and estimate_memory(shape, limits, device, n).fits
+        ]
+        advice = "no maxModelLen fits: the weights alone do not"
+        if fitting:
+            advice += f"; parallelism.tensor {fitting[0]} would fit"
+        field = "parallelism.tensor"
+    raise PlanError(
+        field=field,
+        value=limits.max_model_len,
+        reason="InsufficientMemory",
+        condition="",
+        message=f"{detail}; {advice}",
+    )
+
+
+def profile_identity(plan: Plan) -> dict[str, Any]:
+    """What a profile's numbers depend on, as far as the operator knows before any pod runs."""
+    spec = plan.spec
+    p = spec.parallelism
+    return {
+        "image": plan.image.digest or plan.image.reference,
+        "engine": f"{plan.image.engine_type} {plan.image.engine_version}",
+        "model": spec.model.source,
+        "file": spec.model.file or "",
+        "revision": spec.model.revision or "",
+        "accelerator": f"{spec.accelerator.vendor}/{spec.accelerator.product or ''}",
+        "count": plan.placement.summary,
+        "parallelism": [p.tensor, p.pipeline, p.data],
+        "limits": spec.limits.model_dump(by_alias=True, exclude={"kv_cache_memory_bytes"}),
+        "runner": plan.runner.name,
+        "extraArgs": list(spec.engine.extra_args),
+    }
+
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory plan reported in status (bytes per GPU of one replica)."""
+
+    source: MemorySource
+    identity_hash: str
+    message: str
+    kv_cache_bytes: int | None = None
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+    runner_buffer_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    token_capacity: int | None = None
+    max_model_len: int | None = None
+    max_concurrency: float | None = None
+    profile_name: str | None = None
+
+    def to_status(self) -> dict[str, Any]:
+        fields = {
+            "source": self.source,
+            "identityHash": self.identity_hash,
+            "message": self.message,
+            "profile": self.profile_name,
+            "kvCacheBytes": self.kv_cache_bytes,
+            "weightsBytes": self.weights_bytes,
+            "activationBytes": self.activation_bytes,
+            "cudaGraphBytes": self.cuda_graph_bytes,
+            "runnerBufferBytes": self.runner_buffer_bytes,
+            "nonTorchBytes": self.non_torch_bytes,
+            "tokenCapacity": self.token_capacity,
+            "maxModelLen": self.max_model_len,
+            "maxConcurrency": str(self.max_concurrency)
+            if self.max_concurrency is not None
+            else None,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+def _capacity(kv_bytes: int, per_token: int, max_model_len: int) -> tuple[int, float]:
+    tokens = kv_bytes // per_token // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    return int(tokens), round(tokens / max_model_len, 2)
+
+
+def estimate_plan(estimate: MemoryEstimate, identity: str, source: MemorySource) -> MemoryPlan:
+    tokens, concurrency = _capacity(
+        estimate.kv_cache_bytes, estimate.kv_bytes_per_token, estimate.max_model_len
+    )
+    return MemoryPlan(
+        source=source,
+        identity_hash=identity,
+        message="estimated from the model shape and the accelerator memory",
+        kv_cache_bytes=estimate.kv_cache_bytes,
+        weights_bytes=estimate.weights_bytes,
+        activation_bytes=estimate.activation_bytes,
+        cuda_graph_bytes=estimate.cuda_graph_bytes,
+        non_torch_bytes=estimate.non_torch_bytes,
+        token_capacity=tokens,
+        max_model_len=estimate.max_model_len,
+        max_concurrency=concurrency,
+    )
+
+
+def explicit_plan(
+    kv_bytes: int, estimate: MemoryEstimate | None, identity: str, limits_len: int | None
+) -> MemoryPlan:
+    tokens = concurrency = None
+    max_len = limits_len or (estimate.max_model_len if estimate else None)
+    if estimate is not None and max_len:
+        tokens, concurrency = _capacity(kv_bytes, estimate.kv_bytes_per_token, max_len)
+    return MemoryPlan(
+        source="explicit",
+        identity_hash=identity,
+        message="limits.kvCacheMemoryBytes",
+        kv_cache_bytes=kv_bytes,
+        token_capacity=tokens,
+        max_model_len=max_len,
+        max_concurrency=concurrency,
+    )
+
+
+def profile_plan(profile: MemoryProfile, identity: str, profile_name: str) -> MemoryPlan:
+    m = profile.memory
+    return MemoryPlan(
+        source="profile",
+        identity_hash=identity,
+        message=(
+            f"measured by engine {profile.identity.engine_version} on "
+            f"{profile.identity.gpu_product or profile.identity.device} ({m.method})"
+        ),
+        kv_cache_bytes=m.kv_cache_bytes,
+        weights_bytes=m.weights_bytes,
+        activation_bytes=m.activation_peak_bytes,
+        cuda_graph_bytes=m.cuda_graph_bytes,
+        runner_buffer_bytes=m.runner_buffer_bytes,
+        non_torch_bytes=m.non_torch_bytes,
+        token_capacity=m.token_capacity,
+        max_model_len=profile.identity.max_model_len,
+        max_concurrency=m.max_concurrency,
+        profile_name=profile_name,
+    )
+
+
+def with_memory(plan: Plan, memory: MemoryPlan) -> Plan:
+    """The plan with `memory` in it; explicit and profiled KV bytes become the engine flag."""
+    invocation = plan.invocation
+    if memory.source in ("explicit", "profile") and memory.kv_cache_bytes is not None:
+        args = list(invocation.args)
+        if KV_FLAG in args:
+            i = args.index(KV_FLAG)
+            del args[i : i + 2]
+        args += [KV_FLAG, str(memory.kv_cache_bytes)]
+        invocation = replace(invocation, args=args)
+    return replace(plan, invocation=invocation, memory=memory)
