@@ -1,6 +1,8 @@
 # The README's commands. CI runs `make test` through .ci/run and nothing else.
 PYTHON ?= python3
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
+# OpenMP busy-waiting makes 2-thread torch ops many times slower on small shared machines.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install demo test lint typecheck crds-check pytest cluster-up cluster-down
 
