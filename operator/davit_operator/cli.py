@@ -59,6 +59,13 @@ def _operator_parser() -> argparse.ArgumentParser:
         default=None,
         help="enable kopf peering (one active operator per NAME); off by default",
     )
+    parser.add_argument(
+        "--memory-profiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile engine memory once per identity with a Job before replicas start, and "
+        "give every replica the measured --kv-cache-memory-bytes",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -97,7 +104,10 @@ def run_operator(argv: list[str]) -> int:
         return 2
     logging.getLogger("davit_operator").info("catalog %s loaded", catalog.version)
     options = OperatorOptions(
-        drift_interval=args.drift_interval, kubeconfig=args.kubeconfig, peering=args.peering
+        drift_interval=args.drift_interval,
+        kubeconfig=args.kubeconfig,
+        peering=args.peering,
+        profile_memory=args.memory_profiling,
     )
     registry = kopf.OperatorRegistry()
     register(registry, options)

@@ -32,6 +32,7 @@ class OperatorOptions:
     kubeconfig: str | None = None
     peering: str | None = None
     retry_delay: float = 5.0
+    profile_memory: bool = True
 
 
 def _strip(body: kopf.Body) -> dict[str, Any]:
@@ -75,6 +76,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                 load_credentials(options.kubeconfig),
                 reload=lambda: load_credentials(options.kubeconfig),
             ),
+            profile_memory=options.profile_memory,
         )
 
     @kopf.on.login(registry=registry, id="login")

@@ -33,6 +33,8 @@ KIND_PATHS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    "ConfigMap": ("/api/v1", "configmaps"),
 }
 
 

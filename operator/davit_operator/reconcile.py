@@ -35,6 +35,7 @@ from davit_operator.metrics import (
     STATUS_WRITES,
 )
 from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
+from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
 from davit_operator.status import compute_status, status_patch
 
 # How long an own apply stands in for a watch event that has not arrived yet.
@@ -54,6 +55,8 @@ class Runtime:
     catalog: Catalog
     kube: KubeClient
     post_event: Callable[[kopf.Body, str, str, str], None] = _kopf_event
+    # Profile engine memory once per identity before replicas start (davit_operator.profiling).
+    profile_memory: bool = True
 
 
 def _now() -> str:
@@ -208,12 +211,18 @@ async def reconcile(
             try:
                 spec = InferenceServiceSpec.model_validate(dict(body.spec))
                 plan = make_plan(name, namespace, spec, runtime.catalog, _nodes(indexes["node"]))
+                if runtime.profile_memory and needs_profile(plan):
+                    profiled = await resolve_profile(runtime.kube, plan, Owner(name=name, uid=uid))
+                    plan = profiled.plan
+                    if profiled.action:
+                        runtime.post_event(body, "Normal", "MemoryProfile", profiled.action)
             except ValidationError as exc:
                 error = _spec_error(exc)
             except PlanError as exc:
                 error = exc
             deployment = _first(indexes["deployment"], (namespace, name))
-            if plan is not None:
+            # While the profiling Job runs, no replica starts: they all get its KV size.
+            if plan is not None and replicas_may_start(plan):
                 try:
                     deployment, writes = await _apply_children(
                         runtime, plan, Owner(name=name, uid=uid), indexes, recent

@@ -43,9 +43,16 @@ def start_operator(
     then every operator started here is stopped."""
     started: list[OperatorProcess] = []
 
-    def start(drift_interval: float = 2.0, all_namespaces: bool = False) -> OperatorProcess:
+    def start(
+        drift_interval: float = 2.0, all_namespaces: bool = False, memory_profiling: bool = False
+    ) -> OperatorProcess:
         proc = OperatorProcess(
-            kube_cluster, kube_namespace, tmp_path / "operator.log", drift_interval, all_namespaces
+            kube_cluster,
+            kube_namespace,
+            tmp_path / "operator.log",
+            drift_interval,
+            all_namespaces,
+            memory_profiling,
         )
         started.append(proc)
         return proc.start()

@@ -38,8 +38,12 @@ class OperatorProcess:
         log_path: Path,
         drift_interval: float,
         all_namespaces: bool = False,
+        memory_profiling: bool = False,
     ) -> None:
         self.cluster = cluster
+        # Off unless a test is about it: profiling Jobs need a termination message that only
+        # the test can write (KWOK runs no containers).
+        self.memory_profiling = memory_profiling
         self.namespace = namespace
         self.log_path = log_path
         self.drift_interval = drift_interval
@@ -64,6 +68,8 @@ class OperatorProcess:
             "--drift-interval",
             str(self.drift_interval),
         ]
+        if not self.memory_profiling:
+            argv.append("--no-memory-profiling")
         if os.environ.get("DAVIT_TEST_OPERATOR_VERBOSE"):
             argv.append("--verbose")
         log = self.log_path.open("ab")

@@ -31,6 +31,8 @@ NAMESPACED: set[Permission] = (
     | triples("policy", "poddisruptionbudgets", WORKLOAD)
     | triples("batch", "jobs", WORKLOAD)
     | triples("", "pods", READ)
+    # Stored memory profiles (davit_operator.profiling).
+    | triples("", "configmaps", {"get", "create", "patch"})
     | triples("", "events", {"create", "patch"})
 )
 CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(
