@@ -55,8 +55,9 @@ class Runtime:
     catalog: Catalog
     kube: KubeClient
     post_event: Callable[[kopf.Body, str, str, str], None] = _kopf_event
-    # Profile engine memory once per identity before replicas start (davit_operator.profiling).
-    profile_memory: bool = True
+    # Profile engine memory once per identity before replicas start (davit_operator.profiling);
+    # the operator's command line turns it on (--memory-profiling, the default there).
+    profile_memory: bool = False
 
 
 def _now() -> str:

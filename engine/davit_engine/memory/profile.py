@@ -132,7 +132,10 @@ class MemoryProfile:
                 f"schemaVersion {version!r} is not supported (this code reads {SCHEMA_VERSION})"
             )
         identity = _build(ProfileIdentity, data.get("identity"), "identity")
-        memory_data = dict(data.get("memory") or {})
+        raw_memory = data.get("memory")
+        if not isinstance(raw_memory, dict):
+            raise ProfileFormatError("memory must be an object")
+        memory_data = dict(raw_memory)
         memory_data["cuda_graph_sizes"] = tuple(memory_data.get("cuda_graph_sizes") or ())
         memory = _build(MemoryBreakdown, memory_data, "memory")
         profile = cls(identity=identity, memory=memory)

@@ -1,0 +1,103 @@
+"""The profile document: round trip, identity hash, and refusal of malformed documents."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from davit_engine.memory.profile import (
+    SCHEMA_VERSION,
+    MemoryProfile,
+    ProfileFormatError,
+)
+
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "profiles"
+
+
+def committed() -> list[Path]:
+    return sorted(PROFILES.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", committed(), ids=lambda p: p.name)
+def test_committed_profiles_parse_and_add_up(path: Path) -> None:
+    profile = MemoryProfile.from_json(path.read_text())
+    m = profile.memory
+    assert profile.schema_version == SCHEMA_VERSION
+    assert m.num_blocks == m.kv_cache_bytes // m.block_bytes
+    assert m.token_capacity == m.num_blocks * profile.identity.block_size
+    if m.kv_source == "profile" and m.method == "cuda":
+        # On a GPU nothing caps the KV cache: the components and it fill the budget.
+        used = (
+            m.weights_bytes
+            + m.activation_peak_bytes
+            + m.cuda_graph_bytes
+            + m.runner_buffer_bytes
+            + m.non_torch_bytes
+        )
+        assert used + m.kv_cache_bytes == m.budget_bytes
+        assert m.cuda_graph_bytes > 0 and m.cuda_graph_sizes
+    # A termination message keeps 4096 bytes.
+    assert len(profile.to_json().encode()) < 4096
+    assert MemoryProfile.from_json(profile.to_json()) == profile
+
+
+def _sample() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(committed()[0].read_text())
+    return data
+
+
+def test_identity_hash_covers_every_field() -> None:
+    profile = MemoryProfile.from_json(json.dumps(_sample()))
+    identity = profile.identity
+    seen = {identity.hash()}
+    for field in dataclasses.fields(identity):
+        value = getattr(identity, field.name)
+        if isinstance(value, bool):
+            changed: Any = not value
+        elif isinstance(value, int | float):
+            changed = value + 1
+        else:
+            changed = value + "x"
+        other = dataclasses.replace(identity, **{field.name: changed})
+        assert other.hash() not in seen, field.name
+        seen.add(other.hash())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda d: d.update(kind="Other"), "kind must be"),
+        (lambda d: d.update(schemaVersion=99), "schemaVersion 99"),
+        (lambda d: d["identity"].pop("gpu_product"), "identity lacks gpu_product"),
+        (lambda d: d["memory"].update(num_blocks="7"), "memory.num_blocks must be an integer"),
+        (lambda d: d["memory"].update(method=3), "memory.method must be a string"),
+        (lambda d: d.update(identityHash="0" * 16), "does not match"),
+        (lambda d: d.update(memory=[]), "memory must be an object"),
+    ],
+)
+def test_malformed_documents_are_refused(mutate: Any, error: str) -> None:
+    data = _sample()
+    mutate(data)
+    with pytest.raises(ProfileFormatError, match=error):
+        MemoryProfile.from_json(json.dumps(data))
+
+
+def test_not_json_is_refused() -> None:
+    with pytest.raises(ProfileFormatError, match="not JSON"):
+        MemoryProfile.from_json("{oops")
+    with pytest.raises(ProfileFormatError, match="JSON object"):
+        MemoryProfile.from_json("[]")
+
+
+def test_the_schema_module_needs_no_torch() -> None:
+    code = (
+        "import sys; import davit_engine.memory.profile; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
