@@ -1,0 +1,197 @@
+"""Memory planning without a cluster: pre-flight fit check, identity, plans, the profiling Job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from isvc_helpers import make_spec
+
+from davit_engine.memory.profile import MemoryProfile
+from davit_operator.builders import Owner, deployment
+from davit_operator.builders.profile_job import (
+    PROFILE_IDENTITY_LABEL,
+    profile_config_map,
+    profile_job,
+    profile_name,
+)
+from davit_operator.catalog import load_catalog
+from davit_operator.planning import Plan, PlanError, make_plan
+from davit_operator.planning.memory import (
+    KV_FLAG,
+    ModelShape,
+    effective_limits,
+    estimate_memory,
+    identity_hash,
+    load_shape_catalog,
+    profile_identity,
+    profile_plan,
+    shape_for,
+    with_memory,
+)
+
+CATALOG = load_catalog()
+SHAPES = load_shape_catalog()
+PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+OWNER = Owner(name="svc", uid="uid-1")
+
+
+def plan_of(**overrides: Any) -> Plan:
+    return make_plan("svc", "ns", make_spec(**overrides), CATALOG)
+
+
+def test_shape_parameter_counts_match_the_published_sizes() -> None:
+    # Published totals: 0.6B (0.44B without embeddings), 8.0B, 70.6B.
+    assert SHAPES.shapes["qwen3-0.6b"].num_parameters == pytest.approx(0.596e9, rel=0.01)
+    assert SHAPES.shapes["llama-3.1-8b"].num_parameters == pytest.approx(8.03e9, rel=0.01)
+    assert SHAPES.shapes["llama-3.1-70b"].num_parameters == pytest.approx(70.55e9, rel=0.01)
+
+
+def test_shapes_are_found_by_name_repository_or_spec() -> None:
+    assert shape_for(make_spec(model={"source": "random://qwen3-0.6b"}), SHAPES) is not None
+    spec = make_spec(model={"source": "hf://meta-llama/llama-3.1-8b-instruct", "revision": "x"})
+    assert shape_for(spec, SHAPES) == SHAPES.shapes["llama-3.1-8b"]
+    assert shape_for(make_spec(model={"source": "pvc://claim/dir"}), SHAPES) is None
+    explicit = {
+        "numLayers": 2,
+        "hiddenSize": 64,
+        "intermediateSize": 128,
+        "numHeads": 4,
+        "numKvHeads": 2,
+        "headDim": 16,
+        "vocabSize": 512,
+        "maxPositionEmbeddings": 1024,
+    }
+    spec = make_spec(model={"source": "pvc://claim/dir", "shape": explicit})
+    shape = shape_for(spec, SHAPES)
+    assert isinstance(shape, ModelShape) and shape.num_layers == 2
+
+
+def test_llama_70b_bf16_on_one_80gb_gpu_is_refused_with_numbers() -> None:
+    with pytest.raises(PlanError) as err:
+        plan_of(
+            model={"source": "hf://meta-llama/Llama-3.1-70B-Instruct", "revision": "main"},
+            accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+        )
+    e = err.value
+    assert e.reason == "InsufficientMemory" and e.field == "parallelism.tensor"
+    assert "weights 131.4 GiB" in e.message and "71.7 GiB per GPU" in e.message
+    assert "no maxModelLen fits" in e.message and "parallelism.tensor 4 would fit" in e.message
+
+
+def test_a_shorter_max_model_len_is_offered_and_fits() -> None:
+    overrides: dict[str, Any] = {
+        "model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main"},
+        "accelerator": {"vendor": "nvidia", "product": "NVIDIA-L4"},
+    }
+    with pytest.raises(PlanError) as err:
+        plan_of(**overrides)
+    assert err.value.field == "limits.maxModelLen"
+    largest = int(err.value.message.rsplit(" ", 1)[-1])
+    assert 1024 < largest < 131072 and largest % 16 == 0
+    fitting = plan_of(**overrides, limits={"maxModelLen": largest})
+    assert fitting.memory is not None and fitting.memory.source == "estimate"
+    with pytest.raises(PlanError):
+        plan_of(**overrides, limits={"maxModelLen": largest + 16})
+
+
+def test_tensor_parallelism_splits_weights_and_kv() -> None:
+    shape = SHAPES.shapes["llama-3.1-70b"]
+    limits = effective_limits(make_spec(), shape)
+    one = estimate_memory(shape, limits, 80 << 30, 1)
+    four = estimate_memory(shape, limits, 80 << 30, 4)
+    assert four.weights_bytes == one.weights_bytes // 4
+    assert four.kv_bytes_per_token == one.kv_bytes_per_token // 4
+    assert not one.fits and four.fits
+
+
+def test_unknown_shape_or_memory_skips_the_check() -> None:
+    plan = plan_of(model={"source": "pvc://claim/dir"})
+    assert plan.memory is None
+    plan = plan_of(accelerator={"vendor": "cpu", "product": None})
+    assert plan.memory is None
+
+
+def test_identity_changes_with_what_the_numbers_depend_on() -> None:
+    base = {"model": {"source": "random://qwen3-0.6b"}}
+    reference = identity_hash(profile_identity(plan_of(**base)))
+    assert identity_hash(profile_identity(plan_of(**base))) == reference
+    # The name of the InferenceService is not part of it.
+    other = make_plan("other", "ns", make_spec(**base), CATALOG)
+    assert identity_hash(profile_identity(other)) == reference
+    changes: list[dict[str, Any]] = [
+        {"engine": {"image": "registry.example/davit@sha256:" + "1" * 64}},
+        {"model": {"source": "random://llama-3.1-8b"}},
+        {"accelerator": {"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"}},
+        {"parallelism": {"tensor": 2}, "accelerator": {"count": 2}},
+        {"limits": {"maxModelLen": 4096}},
+        {"limits": {"maxNumSeqs": 64}},
+        {"limits": {"gpuMemoryUtilization": 0.8}},
+        {"engine": {"extraArgs": ["--dtype=float16"]}},
+    ]
+    seen = {reference}
+    for change in changes:
+        h = identity_hash(profile_identity(plan_of(**{**base, **change})))
+        assert h not in seen, change
+        seen.add(h)
+    revised = make_spec(model={"source": "hf://Qwen/Qwen3-0.6B", "revision": "a"})
+    revised_b = make_spec(model={"source": "hf://Qwen/Qwen3-0.6B", "revision": "b"})
+    a = identity_hash(profile_identity(make_plan("s", "ns", revised, CATALOG)))
+    b = identity_hash(profile_identity(make_plan("s", "ns", revised_b, CATALOG)))
+    assert a != b
+
+
+def test_explicit_kv_bytes_reach_the_engine() -> None:
+    plan = plan_of(model={"source": "random://qwen3-0.6b"}, limits={"kvCacheMemoryBytes": 1 << 30})
+    assert plan.memory is not None and plan.memory.source == "explicit"
+    args = plan.invocation.args
+    assert args[args.index(KV_FLAG) + 1] == str(1 << 30)
+
+
+def test_profiled_plan_passes_the_measured_bytes() -> None:
+    profile = MemoryProfile.from_json((PROFILES / "cpu-qwen3-0.6b.json").read_text())
+    plan = plan_of(model={"source": "random://qwen3-0.6b"})
+    h = identity_hash(profile_identity(plan))
+    profiled = with_memory(plan, profile_plan(profile, h, profile_name(h)))
+    args = profiled.invocation.args
+    assert args.count(KV_FLAG) == 1
+    assert args[args.index(KV_FLAG) + 1] == str(profile.memory.kv_cache_bytes)
+    status = profiled.memory.to_status() if profiled.memory else {}
+    assert status["source"] == "profile"
+    assert status["tokenCapacity"] == profile.memory.token_capacity
+    container = deployment(profiled, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == args
+    # Applying a second profile replaces the flag instead of repeating it.
+    again = with_memory(profiled, profile_plan(profile, h, profile_name(h)))
+    assert again.invocation.args.count(KV_FLAG) == 1
+
+
+def test_profile_job_runs_the_replicas_image_and_placement() -> None:
+    plan = plan_of(model={"source": "random://qwen3-0.6b"}, limits={"maxModelLen": 8192})
+    h = identity_hash(profile_identity(plan))
+    job = profile_job(plan, OWNER, h)
+    pod = job["spec"]["template"]["spec"]
+    replica = deployment(plan, OWNER)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (engine,) = replica["containers"]
+    assert job["metadata"]["name"] == profile_name(h)
+    assert job["metadata"]["labels"][PROFILE_IDENTITY_LABEL] == h
+    assert container["image"] == engine["image"] and container["command"] == engine["command"]
+    assert container["args"] == [*engine["args"], "--profile-only"]
+    assert container["resources"] == engine["resources"]
+    assert pod["nodeSelector"] == replica["nodeSelector"]
+    assert pod["tolerations"] == replica["tolerations"]
+    assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
+    assert container["terminationMessagePath"] == "/dev/termination-log"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DAVIT_IMAGE_DIGEST"] == (plan.image.digest or plan.image.reference)
+    # An explicit size in the replicas' arguments never reaches the profiling run.
+    explicit = plan_of(model={"source": "random://qwen3-0.6b"}, limits={"kvCacheMemoryBytes": 9})
+    assert (
+        KV_FLAG
+        not in profile_job(explicit, OWNER, h)["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    stored = profile_config_map("ns", h, "{}", "{}")
+    assert stored["metadata"]["labels"][PROFILE_IDENTITY_LABEL] == h
+    assert "ownerReferences" not in stored["metadata"]
