@@ -20,6 +20,7 @@ from davit_operator.catalog import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.planning import NodeFacts
 from davit_operator.reconcile import Runtime, reconcile
+from davit_operator.rollout import RolloutMemory
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
@@ -151,6 +152,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             # kopf gives each object its own memo (dropped with the object): one lock per object.
             lock=memo.setdefault("reconcile_lock", asyncio.Lock()),
             recent=memo.setdefault("recent_applies", {}),
+            rollout_memory=memo.setdefault("rollout", RolloutMemory()),
         )
 
     @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")

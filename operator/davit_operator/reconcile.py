@@ -36,6 +36,13 @@ from davit_operator.metrics import (
 )
 from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
 from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
+from davit_operator.rollout import (
+    RolloutMemory,
+    RolloutResult,
+    apply_rollout_removals,
+    plan_rollout,
+    rollout_status,
+)
 from davit_operator.status import compute_status, status_patch
 
 # How long an own apply stands in for a watch event that has not arrived yet.
@@ -121,6 +128,7 @@ async def _apply_children(
     owner: Owner,
     indexes: dict[str, kopf.Index[Any, Any]],
     recent: dict[str, tuple[str, dict[str, Any], float]],
+    desired_children: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """Apply what differs; delete a PodDisruptionBudget no longer wanted. Returns the live
     Deployment (fresh from the apply when one happened, else from the index) and the writes
@@ -130,31 +138,35 @@ async def _apply_children(
     cache shows them: a reconcile that runs before the watch event arrives must not apply again.
     """
     key = (plan.namespace, plan.name)
-    live_deployment: dict[str, Any] | None = _first(indexes["deployment"], key)
+    live_deployment: dict[str, Any] | None = _named(indexes["deployment"], key, plan.name)
     wanted_kinds = set()
     writes: list[str] = []
     now = time.monotonic()
-    for desired in children(plan, owner):
+    for desired in children(plan, owner) if desired_children is None else desired_children:
         kind = desired["kind"]
+        child_name = desired["metadata"]["name"]
+        # A rollout's canary Deployment shares the owner key with the stable one.
+        memo_key = kind if child_name == plan.name else f"{kind}/{child_name}"
+        is_main_deployment = kind == "Deployment" and child_name == plan.name
         wanted_kinds.add(kind)
-        live = _first(indexes[kind.lower()], key)
+        live = _named(indexes[kind.lower()], key, child_name)
         obj = with_hash(desired)
         wanted_hash = obj["metadata"]["annotations"][DESIRED_HASH_ANNOTATION]
-        if kind in recent:
-            applied_hash, response, at = recent[kind]
+        if memo_key in recent:
+            applied_hash, response, at = recent[memo_key]
             if _hash_of(live) == applied_hash or now - at > RECENT_APPLY_SECONDS:
-                del recent[kind]
+                del recent[memo_key]
             elif applied_hash == wanted_hash:
                 live = response
-                if kind == "Deployment":
+                if is_main_deployment:
                     live_deployment = response
         if not needs_apply(obj, live):
             continue
         applied = await runtime.kube.apply(obj)
-        recent[kind] = (wanted_hash, applied, now)
+        recent[memo_key] = (wanted_hash, applied, now)
         CHILD_WRITES.labels(kind=kind, action="apply").inc()
-        writes.append(f"applied {kind}")
-        if kind == "Deployment":
+        writes.append(f"applied {kind}" + ("" if child_name == plan.name else f" {child_name}"))
+        if is_main_deployment:
             live_deployment = applied
     stale = _first(indexes["poddisruptionbudget"], key)
     if "PodDisruptionBudget" not in wanted_kinds and stale is not None:
@@ -168,6 +180,14 @@ async def _apply_children(
             CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
             writes.append("deleted PodDisruptionBudget")
     return live_deployment, writes
+
+
+def _named(index: kopf.Index[Any, Any], key: Any, name: str) -> Any | None:
+    """The indexed object under `key` with this metadata.name."""
+    for value in index.get(key) or ():
+        if value["metadata"]["name"] == name:
+            return value
+    return None
 
 
 def _hash_of(obj: dict[str, Any] | None) -> str | None:
@@ -197,6 +217,7 @@ async def reconcile(
     retry_delay: float,
     lock: asyncio.Lock,
     recent: dict[str, tuple[str, dict[str, Any], float]],
+    rollout_memory: RolloutMemory | None = None,
 ) -> None:
     """Level-based reconcile of one InferenceService (see module docstring). `lock` serialises
     the triggers of one object (the timer runs beside the event handlers)."""
@@ -221,12 +242,32 @@ async def reconcile(
                 error = _spec_error(exc)
             except PlanError as exc:
                 error = exc
-            deployment = _first(indexes["deployment"], (namespace, name))
+            deployment = _named(indexes["deployment"], (namespace, name), name)
+            rollout: RolloutResult | None = None
             # While the profiling Job runs, no replica starts: they all get its KV size.
             if plan is not None and replicas_may_start(plan):
                 try:
+                    owner = Owner(name=name, uid=uid)
+                    nodes = _nodes(indexes["node"])
+                    rollout = await plan_rollout(
+                        kube=runtime.kube,
+                        plan=plan,
+                        owner=owner,
+                        make_stable_plan=lambda s: make_plan(
+                            name, namespace, s, runtime.catalog, nodes
+                        ),
+                        status=dict(body.status),
+                        live={
+                            d["metadata"]["name"]: d
+                            for d in indexes["deployment"].get((namespace, name)) or ()
+                        },
+                        memory=rollout_memory if rollout_memory is not None else RolloutMemory(),
+                    )
+                    await apply_rollout_removals(runtime.kube, rollout)
+                    for kind, reason, message in rollout.decision.events:
+                        runtime.post_event(body, kind, reason, message)
                     deployment, writes = await _apply_children(
-                        runtime, plan, Owner(name=name, uid=uid), indexes, recent
+                        runtime, plan, owner, indexes, recent, rollout.children(plan, owner)
                     )
                     if writes:
                         runtime.post_event(
@@ -256,6 +297,8 @@ async def reconcile(
                 generation=generation,
                 now=_now(),
             )
+            if plan is not None and rollout is not None:
+                new = rollout_status(rollout.decision, new, old, _now(), generation)
             changes = status_patch(old, new)
             if changes:
                 for key, value in changes.items():

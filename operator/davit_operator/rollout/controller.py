@@ -1,0 +1,288 @@
+"""Wires the rollout machine into a reconcile: observe, read the canary, decide, build.
+
+`plan_rollout` turns the live Deployments (from the watch cache) and, when a canary runs and its
+analysis is due, a reading of the canary engines' metrics into a `Decision`, and builds the
+Deployments that decision wants: the stable one (`NAME`, selector `inferenceservice=NAME`) built
+from the stable revision's spec, and the canary one (`NAME-canary`, selected also by
+`track=canary`) built from the spec's revision. Both sit behind the same Service, whose selector
+matches both tracks, so the replica ratio is the traffic ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from davit_operator.api import GROUP
+from davit_operator.api.rollout import ROLLOUT_PROGRESSING
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
+from davit_operator.kube import KubeClient
+from davit_operator.metrics import CHILD_WRITES
+from davit_operator.planning import Plan, PlanError
+from davit_operator.rollout.machine import (
+    Decision,
+    Inputs,
+    Observed,
+    Target,
+    canary_split,
+    decide,
+    parse_iso,
+)
+from davit_operator.rollout.metrics import Reading, read_pods
+from davit_operator.rollout.revision import revision_of
+from davit_operator.status import deployment_progress
+
+REVISION_ANNOTATION = f"{GROUP}/revision"
+REVISION_LABEL = f"{GROUP}/revision"
+TRACK_LABEL = f"{GROUP}/track"
+CANARY_SUFFIX = "-canary"
+# How long the rollout status this process wrote stands in for a watch event not yet seen.
+RECENT_STATUS_SECONDS = 30.0
+
+
+def canary_name(name: str) -> str:
+    return f"{name}{CANARY_SUFFIX}"
+
+
+def stable_deployment(plan: Plan, owner: Owner, replicas: int, paused: bool) -> dict[str, Any]:
+    """The stable Deployment for `plan` (the stable revision's plan), scaled for the step."""
+    built = deployment(plan, owner)
+    built["metadata"]["annotations"] = {REVISION_ANNOTATION: revision_of(built)}
+    built["spec"]["replicas"] = replicas
+    if paused:
+        built["spec"]["paused"] = True
+    return built
+
+
+def canary_deployment(plan: Plan, owner: Owner, replicas: int) -> dict[str, Any]:
+    """The canary Deployment: the spec's revision, its own selector within the Service's."""
+    built = deployment(plan, owner)
+    revision = revision_of(built)
+    built["metadata"]["name"] = canary_name(plan.name)
+    built["metadata"]["labels"] = {**built["metadata"]["labels"], TRACK_LABEL: "canary"}
+    built["metadata"]["annotations"] = {REVISION_ANNOTATION: revision}
+    built["spec"]["replicas"] = replicas
+    built["spec"]["selector"] = {
+        "matchLabels": {**built["spec"]["selector"]["matchLabels"], TRACK_LABEL: "canary"}
+    }
+    labels = built["spec"]["template"]["metadata"]["labels"]
+    built["spec"]["template"]["metadata"]["labels"] = {
+        **labels,
+        TRACK_LABEL: "canary",
+        REVISION_LABEL: revision,
+    }
+    return built
+
+
+def _revision(live: dict[str, Any] | None) -> str | None:
+    if live is None:
+        return None
+    value = ((live.get("metadata") or {}).get("annotations") or {}).get(REVISION_ANNOTATION)
+    return str(value) if value is not None else None
+
+
+def _deadline_exceeded(live: dict[str, Any] | None) -> bool:
+    for cond in ((live or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return True
+    return False
+
+
+def _canary_ready(live: dict[str, Any] | None) -> int:
+    if live is None:
+        return 0
+    status = live.get("status") or {}
+    if status.get("observedGeneration", 0) < (live.get("metadata") or {}).get("generation", 0):
+        return 0
+    if status.get("replicas", 0) > status.get("updatedReplicas", 0):
+        return 0  # replicas of an earlier canary revision are still around
+    return int(min(status.get("updatedReplicas", 0), status.get("readyReplicas", 0)))
+
+
+def observe(
+    stable: dict[str, Any] | None, canary: dict[str, Any] | None, stable_replicas: int
+) -> Observed:
+    done, _, _ = deployment_progress(stable, stable_replicas)
+    return Observed(
+        stable_done=done,
+        stable_revision=_revision(stable),
+        stable_deadline_exceeded=_deadline_exceeded(stable),
+        canary_revision=_revision(canary),
+        canary_ready=_canary_ready(canary),
+    )
+
+
+async def read_canary(kube: KubeClient, plan: Plan, revision: str) -> Reading:
+    """Metrics of the ready canary pods of `revision`, read from each pod's address."""
+    selector = f"{INSTANCE_LABEL}={plan.name},{TRACK_LABEL}=canary,{REVISION_LABEL}={revision}"
+    pods = await kube.list("Pod", plan.namespace, selector)
+    addresses = []
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if ready and status.get("podIP"):
+            addresses.append(status["podIP"])
+    return await read_pods(sorted(addresses), plan.port, plan.health.metrics)
+
+
+@dataclass
+class RolloutMemory:
+    """Per-object memory across reconciles (kopf's per-object memo): the rollout status this
+    process wrote last, which a reconcile that runs before the watch shows it must not undo."""
+
+    written: tuple[dict[str, Any], list[dict[str, Any]], float] | None = None
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    decision: Decision
+    deployments: list[dict[str, Any]]  # desired Deployments (stable first)
+    remove_canary: dict[str, Any] | None  # the live canary Deployment to delete
+
+    def children(self, plan: Plan, owner: Owner) -> list[dict[str, Any]]:
+        """Every child to apply: the rollout's Deployments, then the plan's other children."""
+        others = [c for c in children(plan, owner) if c["kind"] != "Deployment"]
+        return [*self.deployments, *others]
+
+
+async def apply_rollout_removals(kube: KubeClient, result: RolloutResult) -> None:
+    """Delete the canary Deployment the decision no longer wants (by uid: a new canary of the
+    same name is left alone)."""
+    live = result.remove_canary
+    if live is not None:
+        meta = live["metadata"]
+        await kube.delete("Deployment", meta["namespace"], meta["name"], meta["uid"])
+        CHILD_WRITES.labels(kind="Deployment", action="delete").inc()
+
+
+def _target(plan: Plan, owner: Owner) -> Target:
+    return Target(
+        revision=revision_of(deployment(plan, owner)),
+        spec_json=plan.spec.model_dump_json(by_alias=True, exclude_none=True),
+        image=plan.image.reference,
+        digest=plan.image.digest,
+        engine_args=(*plan.invocation.command, *plan.invocation.args),
+    )
+
+
+async def plan_rollout(
+    *,
+    kube: KubeClient,
+    plan: Plan,
+    owner: Owner,
+    make_stable_plan: Callable[[InferenceServiceSpec], Plan],
+    status: dict[str, Any],
+    live: dict[str, dict[str, Any]],
+    memory: RolloutMemory,
+    now: float | None = None,
+) -> RolloutResult:
+    """Decide the rollout for this reconcile and build the Deployments it wants."""
+    now = time.time() if now is None else now
+    old = dict(status.get("rollout") or {})
+    revisions = list(status.get("revisions") or [])
+    if memory.written is not None:
+        written, written_revisions, at = memory.written
+        if old != written and time.monotonic() - at < RECENT_STATUS_SECONDS:
+            old, revisions = dict(written), list(written_revisions)
+    target = _target(plan, owner)
+    stable_live = live.get(plan.name)
+    canary_live = live.get(canary_name(plan.name))
+    spec = plan.spec.rollout
+    # Observe with the replica count the previous decision gave the stable side.
+    previous_stable = plan.replicas
+    if old.get("phase") in ("Progressing", "Paused") and old.get("strategy") == "Canary":
+        previous_stable = canary_split(plan.replicas, int(old.get("weight") or 0))[1]
+    observed = observe(stable_live, canary_live, previous_stable)
+    reading = None
+    if observed.canary_revision == target.revision and observed.canary_ready > 0:
+        last = parse_iso((old.get("analysis") or {}).get("at"))
+        if last is None or now - last >= spec.analysis.interval_seconds:
+            reading = await read_canary(kube, plan, target.revision)
+    decision = decide(
+        Inputs(
+            spec=spec,
+            replicas=plan.replicas,
+            target=target,
+            old=old,
+            revisions=revisions,
+            observed=observed,
+            reading=reading,
+            now=now,
+        )
+    )
+    memory.written = (decision.rollout, decision.revisions, time.monotonic())
+    if decision.stable_spec_json == target.spec_json:
+        stable_plan = plan
+    else:
+        try:
+            stable_plan = make_stable_plan(
+                InferenceServiceSpec.model_validate_json(decision.stable_spec_json)
+            )
+        except (ValidationError, PlanError):
+            # The stable spec no longer plans (an operator upgrade changed the catalog):
+            # only the spec's revision can be built.
+            stable_plan = plan
+    deployments = [
+        stable_deployment(stable_plan, owner, decision.stable_replicas, decision.stable_paused)
+    ]
+    remove = None
+    if decision.canary_replicas > 0:
+        deployments.append(canary_deployment(plan, owner, decision.canary_replicas))
+    elif canary_live is not None:
+        remove = canary_live
+    return RolloutResult(decision=decision, deployments=deployments, remove_canary=remove)
+
+
+def rollout_status(
+    decision: Decision,
+    new_status: dict[str, Any],
+    old_status: dict[str, Any],
+    now_iso: str,
+    generation: int,
+) -> dict[str, Any]:
+    """`new_status` with the rollout, the revision history and the RolloutProgressing
+    condition; kstatus conditions follow the rollout (a rolled-back or failed target stalls,
+    a progressing one reconciles)."""
+    out = dict(new_status)
+    # None stays: kopf's merge patch deletes a field only when it is sent as null.
+    out["rollout"] = dict(decision.rollout)
+    out["revisions"] = decision.revisions
+    conditions = [dict(c) for c in new_status.get("conditions") or []]
+    status_, reason, message = decision.condition
+    overrides = [(ROLLOUT_PROGRESSING, status_, reason, message)]
+    stalled = any(c["type"] == "Stalled" and c["status"] == "True" for c in conditions)
+    if decision.failed and not stalled:
+        overrides += [
+            ("Ready", "False", decision.failed, message),
+            ("Reconciling", "False", decision.failed, "waiting for the spec to change"),
+            ("Stalled", "True", decision.failed, message),
+        ]
+    elif not decision.settled and not stalled and decision.rollout.get("phase") != "Complete":
+        overrides += [("Reconciling", "True", reason, message)]
+    by_type = {c["type"]: c for c in conditions}
+    previous = {c.get("type"): c for c in old_status.get("conditions") or []}
+    for type_, s, r, m in overrides:
+        before = previous.get(type_)
+        since = now_iso
+        if before and before.get("status") == s and before.get("lastTransitionTime"):
+            since = before["lastTransitionTime"]
+        by_type[type_] = {
+            "type": type_,
+            "status": s,
+            "reason": r,
+            "message": m,
+            "lastTransitionTime": since,
+            "observedGeneration": generation,
+        }
+    out["conditions"] = list(by_type.values())
+    return out
