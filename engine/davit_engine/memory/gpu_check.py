@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for item in args.shapes.split(","):
         shape, _, length = item.partition(":")
-        row = check_shape(args, shape, int(length))
+        try:
+            row = check_shape(args, shape, int(length))
+        except (RuntimeError, ParamError) as exc:  # report and go on with the next shape
+            traceback.print_exc()
+            print(f"{shape}: {type(exc).__name__}: {exc}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         rows.append(row)
         with open(OUT / "memory_check.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")

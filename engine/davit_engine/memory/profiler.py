@@ -282,15 +282,29 @@ def _measure_cpu(
 
 
 def _driver_version() -> str:
+    """The NVIDIA driver version from the kernel module, else from NVML, else ""."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text()
     except OSError:
-        return ""
+        text = ""
     for word in text.split():
         parts = word.split(".")
         if len(parts) >= 2 and all(p.isdigit() for p in parts):
             return word
-    return ""
+    try:
+        import pynvml
+    except ImportError:
+        return ""
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:
+        logger.info("no driver version from NVML: %s", exc)
+        return ""
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
