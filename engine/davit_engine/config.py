@@ -37,6 +37,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     runner: RunnerKind = "auto"
     enforce_eager: bool = False
+    # Schedule step N+1 while the device runs step N, where the runner supports it (V2).
+    async_scheduling: bool = True
+    revision: str | None = None  # model revision (hf:// sources; informational otherwise)
     max_logprobs: int = 20
     trust_remote_code: bool = False
 

@@ -21,6 +21,7 @@ from davit_engine.memory.profile import MemoryProfile
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import check_logits_processors
 from davit_engine.runner.select import create_runner, resolve_device, select_runner
+from davit_engine.step_pipeline import StepPipeline
 from davit_engine.types import (
     EngineRequest,
     EngineStats,
@@ -50,6 +51,10 @@ class ModelInfo:
     num_parameters: int
     # The startup memory profile (davit_engine.memory.MemoryProfile.to_dict()), when measured.
     memory_profile: dict[str, Any] | None = None
+    # Whether the CPU schedules step N+1 while the device runs step N (runner V2 only).
+    async_scheduling: bool = False
+    # --revision as given (informational for a local directory or a random shape).
+    revision: str | None = None
 
 
 class EngineCore:
@@ -87,6 +92,10 @@ class EngineCore:
             )
         self.runner.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, max_model_len)
+        async_scheduling = config.async_scheduling and self.runner.supports_async_scheduling
+        if config.async_scheduling and not async_scheduling:
+            logger.info("runner %s schedules synchronously (no asynchronous scheduling)", kind)
+        self.pipeline = StepPipeline(self.scheduler, self.runner, async_scheduling)
         self.model_info = ModelInfo(
             served_model_name=config.model_name,
             max_model_len=self.scheduler.max_model_len,
@@ -101,6 +110,8 @@ class EngineCore:
             architecture=loaded.config.architecture,
             num_parameters=loaded.config.num_parameters(),
             memory_profile=self.memory_profile.to_dict() if self.memory_profile else None,
+            async_scheduling=async_scheduling,
+            revision=config.revision,
         )
         self._aborted: list[RequestDelta] = []
         logger.info(
@@ -157,17 +168,11 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; returns the deltas it produced (aborts first)."""
         deltas, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()
-        if batch.is_empty and not batch.finished_ids and not batch.preempted_ids:
-            return deltas
-        # Runner V2 keeps per-request state: it must see finished/preempted ids even on a step
-        # that schedules nothing.
-        output = self.runner.execute(batch)
-        deltas.extend(self.scheduler.update_from_output(batch, output))
+        deltas.extend(self.pipeline.step())
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.pipeline.has_in_flight
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

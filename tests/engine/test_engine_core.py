@@ -94,3 +94,13 @@ def test_cpu_kv_budget_and_max_model_len() -> None:
     with pytest.raises(ParamError) as err:
         EngineCore(EngineConfig(model="random:qwen3-tiny", kv_cache_memory_bytes=1))
     assert err.value.param == "--kv-cache-memory-bytes"
+
+
+def test_runner_v1_steps_synchronously(core: EngineCore) -> None:
+    """Asynchronous scheduling is on by default but needs runner V2: V1 stays synchronous."""
+    assert core.config.async_scheduling
+    assert not core.model_info.async_scheduling and not core.pipeline.async_scheduling
+    core.add_request(request("sync", [1, 2, 3], max_tokens=3, temperature=0.0))
+    deltas = run_to_end(core)["sync"]
+    assert sum(len(d.new_token_ids) for d in deltas) == 3
+    assert not core.pipeline.has_in_flight

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule step N+1 while the device runs step N (runner V2; V1 stays synchronous)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
         "--ignore-eos",
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=not args.no_prefix_caching,
     )
     load_start = time.perf_counter()
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "runner": info.runner,
             "runner_reason": info.runner_reason,
             "cuda_graphs": info.runner == "v2" and not args.enforce_eager,
+            "async_scheduling": info.async_scheduling,
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -213,7 +221,8 @@ def throughput_main(argv: list[str]) -> int:
         f"model {c['model']} ({c['architecture']}, {c['num_parameters'] / 1e6:.1f}M params), "
         f"dtype {c['dtype']}, device {c['device']} ({c['device_name']}, "
         f"{c['torch_threads']} threads, OMP_WAIT_POLICY {c['omp_wait_policy']}), runner {c['runner']} ({c['runner_reason']}), "
-        f"cuda graphs {'on' if c['cuda_graphs'] else 'off'}"
+        f"cuda graphs {'on' if c['cuda_graphs'] else 'off'}, "
+        f"async scheduling {'on' if c['async_scheduling'] else 'off'}"
     )
     print(
         f"workload: {c['num_prompts']} prompts x {c['input_len']} random tokens -> "

@@ -30,10 +30,15 @@ class ScheduledRequest:
     sampling: SamplingParams
     needs_sample: bool
     is_new: bool = False  # first time this request (or its recompute after preemption) runs
+    # Outputs sampled by steps still in flight when this one was scheduled: they are missing
+    # from `token_ids` (asynchronous scheduling), and only a runner that keeps the drawn tokens
+    # on the device (V2) can run such a step. Always 0 for `is_new` requests.
+    num_pending_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Outputs before the token this step draws, placeholders included (valid at launch)."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -22,6 +22,10 @@ class Request:
     `[0, num_computed_tokens)` have their K/V in the blocks of `block_ids` (or are being
     computed by the step in flight). After a preemption the generated tokens are kept and
     recomputed together with the prompt, so `num_prompt_tokens` never changes.
+
+    `num_pending_tokens` counts tokens a launched step samples that have not reached the host
+    yet (asynchronous scheduling): they follow `token_ids` as placeholders, already counted in
+    `num_computed_tokens` once the step that consumes them as inputs is scheduled.
     """
 
     __slots__ = (
@@ -32,6 +36,7 @@ class Request:
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "num_registered_blocks",
@@ -61,6 +66,7 @@ class Request:
         self.stop_token_ids = frozenset(sampling.stop_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.block_ids: list[int] = []
         # Chained prefix-cache hashes of this request's full blocks, computed lazily by the
         # block manager; valid for the request's lifetime because token_ids only grows.

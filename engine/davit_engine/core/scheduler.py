@@ -1,9 +1,12 @@
 """Continuous batching: which requests run each step, with how many tokens, in which KV blocks.
 
 One step is `schedule()` → the runner executes the `SchedulerOutput` → `update_from_output()`.
-The two calls alternate: `schedule()` counts the tokens it hands out as computed, and
-`update_from_output()` appends what the runner sampled, finishes requests and registers the
-blocks that became full in the prefix cache.
+`schedule()` counts the tokens it hands out as computed, and `update_from_output()` appends what
+the runner sampled, finishes requests and registers the blocks that became full in the prefix
+cache. With asynchronous scheduling the next `schedule()` comes before the previous step's
+`update_from_output()`: a token still being sampled is a placeholder (`num_pending_tokens`) that
+the next step already consumes as its input, and a stop found one step late drops the extra
+token, so the outputs are the same as with the calls strictly alternating.
 """
 
 from __future__ import annotations
@@ -164,7 +167,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            num_pending = req.num_pending_tokens
+            if num_pending and self._pending_reach_length(req):
+                i += 1  # finishes when its pending token lands: nothing left to compute
+                continue
+            num_new = min(len(req.token_ids) + num_pending - req.num_computed_tokens, budget)
             if num_new <= 0:
                 # Nothing to compute: its last sample has not been appended (misuse guard).
                 i += 1
@@ -199,6 +206,9 @@ class Scheduler:
         running = self._running
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting[0]
+            if req.num_pending_tokens:
+                # Preempted with a token in flight: a recompute needs every token on the host.
+                break
             # Prompt logprobs need logits at every prompt position: nothing may be skipped.
             wants_prompt_logprobs = req.sampling.prompt_logprobs is not None
             cached_block_ids = [] if wants_prompt_logprobs else bm.match_prefix(req)
@@ -224,9 +234,22 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _pending_reach_length(self, req: Request) -> bool:
+        """Whether the request reaches max_tokens or max_model_len once its pending tokens land
+        (it then finishes, whatever they are)."""
+        num_tokens = len(req.token_ids) + req.num_pending_tokens
+        return (
+            num_tokens - req.num_prompt_tokens >= req.sampling.max_tokens
+            or num_tokens >= self.max_model_len
+        )
+
     def _make_scheduled(self, req: Request, num_new: int, is_new: bool) -> ScheduledRequest:
         num_computed = req.num_computed_tokens
+        num_pending = req.num_pending_tokens
         req.num_computed_tokens = num_computed + num_new
+        needs_sample = num_computed + num_new == len(req.token_ids) + num_pending
+        if needs_sample:
+            req.num_pending_tokens = num_pending + 1
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.token_ids,
@@ -235,8 +258,9 @@ class Scheduler:
             num_new_tokens=num_new,
             block_ids=req.block_ids,
             sampling=req.sampling,
-            needs_sample=num_computed + num_new == len(req.token_ids),
+            needs_sample=needs_sample,
             is_new=is_new,
+            num_pending_tokens=num_pending,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -250,8 +274,10 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestDelta]:
         """Apply the runner's samples for `out`; return one delta per request that got a token.
 
-        Requests aborted while the step ran are skipped. Finished requests free their blocks
-        (full ones stay in the prefix cache) and are reported in the next `finished_ids`.
+        Requests aborted or finished while the step ran are skipped (their extra token is
+        dropped). A request preempted while the step ran still gets its token. Finished
+        requests free their blocks (full ones stay in the prefix cache) and are reported in the
+        next `finished_ids`.
         """
         scheduled = out.scheduled
         sampled = res.sampled_token_ids
@@ -270,10 +296,12 @@ class Scheduler:
         any_finished = False
         for i, sreq in enumerate(scheduled):
             req = requests.get(sreq.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            # The token list identifies the request: an id can be reused after a finish.
+            if req is None or req.token_ids is not sreq.token_ids:
                 continue
+            is_running = req.status is RequestStatus.RUNNING
             num_computed = sreq.num_computed_tokens + sreq.num_new_tokens
-            if caching and num_computed // block_size > req.num_registered_blocks:
+            if is_running and caching and num_computed // block_size > req.num_registered_blocks:
                 bm.cache_full_blocks(req, num_computed)
             token_id = sampled[i]
             if token_id is None:
@@ -283,6 +311,7 @@ class Scheduler:
                 continue
             if not sreq.needs_sample:
                 raise ValueError(f"runner sampled a token for {sreq.request_id} mid-prefill")
+            req.num_pending_tokens -= 1
             reason = req.append_output_token(token_id, max_model_len)
             num_generated += 1
             if len(req.token_ids) - req.num_prompt_tokens == 1:
@@ -301,6 +330,8 @@ class Scheduler:
             )
             if reason is not None:
                 del requests[req.request_id]
+                if not is_running:
+                    self._waiting.remove(req)  # preempted while its last token was drawn
                 self._finish(req, reason)
                 any_finished = True
         self._generation_tokens_total += num_generated

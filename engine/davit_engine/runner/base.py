@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import abc
+from typing import ClassVar, Protocol
 
 from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    """A launched step; `result()` waits for its sampled tokens."""
+
+    def result(self) -> RunnerOutput: ...
 
 
 class ModelRunner(abc.ABC):
@@ -18,9 +25,14 @@ class ModelRunner(abc.ABC):
       Sampling is reproducible per request when `SamplingParams.seed` is set, independent of
       which other requests share the batch.
     - Block ids in `batch` index the KV cache allocated here; the runner never allocates blocks.
+    - A runner with `supports_async_scheduling` also has `execute_async(batch)`, which launches
+      the step and returns before its tokens are on the host; the next step may be launched
+      before the previous `result()`, with placeholders (`ScheduledRequest.num_pending_tokens`)
+      for tokens still in flight.
     """
 
     name: str = "base"
+    supports_async_scheduling: ClassVar[bool] = False
 
     @abc.abstractmethod
     def determine_num_blocks(self) -> int: ...
@@ -30,6 +42,10 @@ class ModelRunner(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
+
+    def execute_async(self, batch: SchedulerOutput) -> PendingOutput:
+        """Launch one step (runners with `supports_async_scheduling` only)."""
+        raise NotImplementedError(f"runner {self.name} runs steps synchronously")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, most runners need nothing
         """Release device resources. Safe to call twice."""

@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--runner", default="auto", choices=["auto", "v1", "v2"])
     engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule step N+1 while the device runs step N (runner V2; V1 stays synchronous)",
+    )
     engine.add_argument("--max-logprobs", type=_int_at_least(0), default=20)
     memory = p.add_argument_group("memory profile")
     memory.add_argument(
@@ -154,6 +160,7 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         gpu_memory_utilization=args.gpu_memory_utilization,
         runner=args.runner,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_logprobs=args.max_logprobs,
     )
     try:

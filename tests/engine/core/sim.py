@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from davit_engine.config import EngineConfig
-from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.types import EngineRequest, RequestDelta, TokenLogprob
 
@@ -42,6 +42,9 @@ class SimRunner:
     a request's output is the same whatever it is batched with, preempted or served from the
     prefix cache. `eos_token_id`, when given, is emitted whenever `digest % eos_every == 0`.
     """
+
+    name = "sim"
+    supports_async_scheduling = False
 
     def __init__(
         self,
@@ -103,6 +106,58 @@ class SimRunner:
                 sampled.append(None)
                 logprobs.append(None)
         return RunnerOutput(sampled, logprobs)
+
+
+class SimPending:
+    """A launched simulated step: the result is computed at launch (stream order), read later."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self.output = output
+        self.num_reads = 0
+
+    def result(self) -> RunnerOutput:
+        self.num_reads += 1
+        return self.output
+
+
+class AsyncSimRunner(SimRunner):
+    """SimRunner that, like runner V2, keeps each running request's drawn tokens itself.
+
+    A step may be launched before the previous step's tokens reached the scheduler: rows then
+    name positions past `token_ids` (`num_pending_tokens` placeholders), whose input tokens come
+    from this runner's own copy. Checks that the host's tokens are always a prefix of it, and
+    that `is_new` rows (admission, recompute after preemption) bring every token.
+    """
+
+    name = "async-sim"
+    supports_async_scheduling = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequences: dict[str, list[int]] = {}
+        self.max_pending_seen = 0
+
+    def execute_async(self, out: SchedulerOutput) -> SimPending:
+        for request_id in [*out.finished_ids, *out.preempted_ids]:
+            self.sequences.pop(request_id, None)
+        rows: list[ScheduledRequest] = []
+        for sreq in out.scheduled:
+            if sreq.is_new:
+                assert sreq.num_pending_tokens == 0, f"{sreq.request_id}: new with pending"
+                self.sequences[sreq.request_id] = list(sreq.token_ids)
+            own = self.sequences[sreq.request_id]
+            assert own[: len(sreq.token_ids)] == sreq.token_ids, "host tokens diverged"
+            assert len(own) == len(sreq.token_ids) + sreq.num_pending_tokens
+            self.max_pending_seen = max(self.max_pending_seen, sreq.num_pending_tokens)
+            rows.append(dataclasses.replace(sreq, token_ids=own, num_pending_tokens=0))
+        output = super().execute(SchedulerOutput(rows, out.finished_ids, out.preempted_ids))
+        for sreq, token in zip(rows, output.sampled_token_ids, strict=True):
+            if token is not None:
+                sreq.token_ids.append(token)  # drawn into the runner's own state
+        return SimPending(output)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(out).result()
 
 
 def make_config(**overrides: Any) -> EngineConfig:

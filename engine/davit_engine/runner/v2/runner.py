@@ -49,6 +49,7 @@ class RunnerV2(ModelRunner):
     """
 
     name = "v2"
+    supports_async_scheduling = True
     # Fused Triton layer kernels on CUDA (benchmarks switch this off to measure the difference).
     fuse_layers = True
 

@@ -1,0 +1,69 @@
+"""The engine loop's step: schedule → execute → update, synchronously or one step ahead.
+
+Synchronous: each `step()` schedules a batch, runs it and applies its tokens.
+
+Asynchronous scheduling (runners with `supports_async_scheduling`): `step()` schedules batch
+N+1 and launches it while batch N still runs on the device, then waits for N's sampled tokens
+(the loop's only host-device synchronisation) and applies them. The device never waits for the
+host's scheduling and bookkeeping. Tokens of N that N+1 consumes are placeholders the runner
+reads from its own device state; a request that N finishes (EOS, a stop token) has one extra
+token computed by N+1, which `Scheduler.update_from_output` drops. Requests known to finish when
+their pending token lands (max_tokens, max_model_len) are not scheduled again. So the tokens are
+the same as with synchronous steps; only a step's composition may differ, since blocks and
+sequence slots of a request finishing at N are freed one step later.
+"""
+
+from __future__ import annotations
+
+from davit_engine.core.batch import SchedulerOutput
+from davit_engine.core.scheduler import Scheduler
+from davit_engine.runner.base import ModelRunner, PendingOutput
+from davit_engine.types import RequestDelta
+
+
+class StepPipeline:
+    """Drives `scheduler` and `runner`; at most one launched step is unread at a time.
+
+    `async_scheduling=True` needs a runner with `supports_async_scheduling` (ValueError
+    otherwise). Not thread-safe: one loop thread calls `step()`; aborts go to the scheduler
+    between steps.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, async_scheduling: bool) -> None:
+        if async_scheduling and not runner.supports_async_scheduling:
+            raise ValueError(f"runner {runner.name} does not support asynchronous scheduling")
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+
+    @property
+    def has_in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be applied."""
+        return self._in_flight is not None
+
+    def step(self) -> list[RequestDelta]:
+        """One step; returns the deltas of the step whose tokens were applied."""
+        batch = self.scheduler.schedule()
+        has_work = not batch.is_empty
+        # Runner V2 keeps per-request state: it must see finished/preempted ids even on a step
+        # that schedules nothing.
+        if not has_work and not batch.finished_ids and not batch.preempted_ids:
+            return self._settle()
+        if not self.async_scheduling:
+            output = self.runner.execute(batch)
+            return self.scheduler.update_from_output(batch, output)
+        pending = self.runner.execute_async(batch)
+        deltas = self._settle()
+        if has_work:
+            self._in_flight = (batch, pending)
+        else:
+            pending.result()  # slot releases only: no tokens, nothing to wait for
+        return deltas
+
+    def _settle(self) -> list[RequestDelta]:
+        if self._in_flight is None:
+            return []
+        batch, pending = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(batch, pending.result())
