@@ -66,6 +66,13 @@ def _operator_parser() -> argparse.ArgumentParser:
         help="profile engine memory once per identity with a Job before replicas start, and "
         "give every replica the measured --kv-cache-memory-bytes",
     )
+    parser.add_argument(
+        "--model-config-url",
+        default=None,
+        metavar="URL",
+        help="base URL of a model hub (or mirror) serving ORG/NAME/resolve/REVISION/config.json, "
+        "for the pre-flight memory check of hf:// models the shape catalog lacks (off by default)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -108,6 +115,7 @@ def run_operator(argv: list[str]) -> int:
         kubeconfig=args.kubeconfig,
         peering=args.peering,
         profile_memory=args.memory_profiling,
+        model_config_url=args.model_config_url,
     )
     registry = kopf.OperatorRegistry()
     register(registry, options)

@@ -18,6 +18,7 @@ from davit_operator.api import GROUP, PLURAL, VERSION
 from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from davit_operator.catalog import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
+from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning import NodeFacts
 from davit_operator.reconcile import Runtime, reconcile
 from davit_operator.rollout import RolloutMemory
@@ -34,6 +35,7 @@ class OperatorOptions:
     peering: str | None = None
     retry_delay: float = 5.0
     profile_memory: bool = True
+    model_config_url: str | None = None
 
 
 def _strip(body: kopf.Body) -> dict[str, Any]:
@@ -78,6 +80,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                 reload=lambda: load_credentials(options.kubeconfig),
             ),
             profile_memory=options.profile_memory,
+            model_configs=(
+                ModelConfigSource(options.model_config_url) if options.model_config_url else None
+            ),
         )
 
     @kopf.on.login(registry=registry, id="login")

@@ -34,7 +34,8 @@ from davit_operator.metrics import (
     RECONCILE_TOTAL,
     STATUS_WRITES,
 )
-from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
+from davit_operator.model_config import ModelConfigSource
+from davit_operator.planning import NodeFacts, Plan, PlanError, default_shapes, make_plan
 from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
 from davit_operator.rollout import (
     RolloutMemory,
@@ -65,6 +66,8 @@ class Runtime:
     # Profile engine memory once per identity before replicas start (davit_operator.profiling);
     # the operator's command line turns it on (--memory-profiling, the default there).
     profile_memory: bool = False
+    # config.json over HTTP for shapes the catalog lacks (davit_operator.model_config).
+    model_configs: ModelConfigSource | None = None
 
 
 def _now() -> str:
@@ -232,7 +235,14 @@ async def reconcile(
             error: PlanError | None = None
             try:
                 spec = InferenceServiceSpec.model_validate(dict(body.spec))
-                plan = make_plan(name, namespace, spec, runtime.catalog, _nodes(indexes["node"]))
+                shapes = (
+                    await runtime.model_configs.shapes_for(spec, default_shapes())
+                    if runtime.model_configs is not None
+                    else None
+                )
+                plan = make_plan(
+                    name, namespace, spec, runtime.catalog, _nodes(indexes["node"]), shapes
+                )
                 if runtime.profile_memory and needs_profile(plan):
                     profiled = await resolve_profile(runtime.kube, plan, Owner(name=name, uid=uid))
                     plan = profiled.plan

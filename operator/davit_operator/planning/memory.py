@@ -123,6 +123,41 @@ def shape_for(spec: InferenceServiceSpec, catalog: ShapeCatalog) -> ModelShape |
     return None
 
 
+def shape_from_config(config: Any) -> ModelShape:
+    """A shape from a checkpoint's config.json (Hugging Face field names). Raises ShapeError
+    naming the missing or malformed field."""
+    if not isinstance(config, dict):
+        raise ShapeError("config.json is not a JSON object")
+    if isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return ModelShape(
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=int(config["max_position_embeddings"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ShapeError(f"config.json has no {exc.args[0]}") from None
+    except (TypeError, ValueError, ValidationError) as exc:
+        raise ShapeError(f"config.json: {exc}") from None
+
+
+def with_shape(catalog: ShapeCatalog, name: str, shape: ModelShape) -> ShapeCatalog:
+    """The catalog plus `shape` under `name` (a repository id); the catalog's own entry wins."""
+    if catalog.find(name) is not None:
+        return catalog
+    named = shape.model_copy(update={"names": (name,)})
+    return catalog.model_copy(update={"shapes": {**catalog.shapes, name.lower(): named}})
+
+
 @dataclass(frozen=True)
 class Limits:
     """The spec's limits with the engine defaults filled in."""

@@ -1,0 +1,111 @@
+"""config.json over HTTP (loopback server): shapes for models the catalog lacks, never required."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from isvc_helpers import make_spec
+
+from davit_operator.catalog import load_catalog
+from davit_operator.model_config import ModelConfigSource
+from davit_operator.planning import PlanError, make_plan
+from davit_operator.planning.memory import ShapeError, load_shape_catalog, shape_from_config
+
+# A 34B-class config (not in the catalog): about 68 GB of bf16 weights.
+BIG = {
+    "num_hidden_layers": 60,
+    "hidden_size": 7168,
+    "intermediate_size": 20480,
+    "num_attention_heads": 56,
+    "num_key_value_heads": 8,
+    "vocab_size": 64000,
+    "max_position_embeddings": 32768,
+}
+
+
+class _Hub(BaseHTTPRequestHandler):
+    files: dict[str, Any] = {"/org/big/resolve/main/config.json": BIG}
+    requests: list[str] = []
+
+    def do_GET(self) -> None:
+        type(self).requests.append(self.path)
+        body = self.files.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def hub() -> Iterator[str]:
+    _Hub.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_fetched_shape_feeds_the_preflight_check(hub: str) -> None:
+    source = ModelConfigSource(hub)
+    spec = make_spec(
+        model={"source": "hf://org/big", "revision": "main"},
+        accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+    )
+    shapes = asyncio.run(source.shapes_for(spec, load_shape_catalog()))
+    shape = shapes.find("org/big")
+    assert shape is not None and shape.head_dim == 128 and shape.num_kv_heads == 8
+    with pytest.raises(PlanError) as err:
+        make_plan("s", "ns", spec, load_catalog(), shapes=shapes)
+    assert err.value.reason == "InsufficientMemory"
+    # Without the fetched shape the check is skipped, not failed.
+    assert make_plan("s", "ns", spec, load_catalog()).memory is None
+    # Remembered: a second reconcile does not fetch again.
+    asyncio.run(source.shapes_for(spec, load_shape_catalog()))
+    assert _Hub.requests == ["/org/big/resolve/main/config.json"]
+
+
+def test_unreachable_or_missing_configs_leave_the_shape_unknown(hub: str) -> None:
+    catalog = load_shape_catalog()
+    missing = make_spec(model={"source": "hf://org/missing", "revision": "v1"})
+    assert asyncio.run(ModelConfigSource(hub).shapes_for(missing, catalog)) == catalog
+    closed = ModelConfigSource("http://127.0.0.1:9", timeout=1.0)
+    assert asyncio.run(closed.shapes_for(missing, catalog)) == catalog
+    # Known shapes and non-hf sources never cause a request.
+    known = make_spec(model={"source": "hf://Qwen/Qwen3-8B", "revision": "main"})
+    asyncio.run(ModelConfigSource(hub).shapes_for(known, catalog))
+    assert _Hub.requests == ["/org/missing/resolve/v1/config.json"]
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ([], "not a JSON object"),
+        ({k: v for k, v in BIG.items() if k != "vocab_size"}, "no vocab_size"),
+        ({**BIG, "hidden_size": "wide"}, "config.json"),
+        ({**BIG, "num_hidden_layers": 0}, "config.json"),
+    ],
+)
+def test_bad_configs_are_refused_by_name(config: Any, error: str) -> None:
+    with pytest.raises(ShapeError, match=error):
+        shape_from_config(config)
+
+
+def test_multimodal_text_config_is_read() -> None:
+    shape = shape_from_config({"text_config": BIG, "architectures": ["X"]})
+    assert shape.num_layers == 60
