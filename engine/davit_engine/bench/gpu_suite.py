@@ -7,7 +7,10 @@ Sections (pick with `--sections`, in this order):
 - `hf`: greedy completions against transformers on the same random weights (fp32 exact share,
   bf16 identical share) for a Qwen3 and a Llama shape;
 - `w1`, `w2`, `peer`: the issue's workloads, and the transformers peer at one shape;
-- `profile`: where a decode step's time goes (torch.profiler, eager kernels) at the W1 shape.
+- `profile`: where a decode step's time goes (torch.profiler, eager kernels) at the W1 shape;
+- `async`: W1 and W2 through the engine's own step loop with asynchronous scheduling on and
+  off, after a check that both give the same greedy tokens in fp32;
+- `w3`: the HTTP server (`davit serve`, byte tokenizer) under `davit bench serve` load.
 
 Every result is one JSON line in `$OUT/results.jsonl` with its configuration; a short table is
 printed last. Nothing here imports the HTTP stack.
@@ -669,6 +672,205 @@ def section_profile(args: argparse.Namespace) -> None:
     _profile_decode("w2-b1", args.w2_model, 1, 1024, False, True, 0.0)
 
 
+def _engine_loop(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Any]:
+    """Drive `core.step()` (the engine's own loop, async or not) to the end; time it."""
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for req in requests:
+        core.add_request(req)
+    torch.cuda.synchronize()
+    steps = 0
+    first_token_at: float | None = None
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+            if first_token_at is None:
+                first_token_at = time.perf_counter() - start
+        steps += 1
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(v) for v in outputs.values())
+    return {
+        "outputs": outputs,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens": num_output,
+        "output_tok_s": round(num_output / elapsed, 1),
+        "steps": steps,
+        "first_token_s": round(first_token_at or 0.0, 4),
+    }
+
+
+def section_async(args: argparse.Namespace) -> None:
+    # Same greedy tokens with and without async steps (fp32, small model, stops and lengths).
+    outputs = {}
+    for on in (False, True):
+        core = make_core(
+            args.small_model,
+            "v2",
+            False,
+            "float32",
+            async_scheduling=on,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+        )
+        vocab = core.model_info.vocab_size
+        gen = torch.Generator().manual_seed(3)
+        reqs = [
+            EngineRequest(
+                f"a{i}",
+                torch.randint(0, vocab, (int(n),), generator=gen).tolist(),
+                SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True),
+            )
+            for i, n in enumerate(torch.randint(5, 600, (24,), generator=gen))
+        ]
+        outputs[on] = _engine_loop(core, reqs)["outputs"]
+        assert core.model_info.async_scheduling == on
+        core.shutdown()
+        del core
+        free_memory()
+    same = sum(outputs[False][k] == outputs[True][k] for k in outputs[False])
+    record("async_vs_sync_fp32", model=args.small_model, identical=f"{same}/{len(outputs[False])}")
+
+    gen = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    workloads = [
+        ("w1", args.w1_model, in_lens, out_lens, 256, 8192),
+        ("w2", args.w2_model, [1024], [256], 8, 2048),
+    ]
+    for name, model, ins, outs, seqs, tokens in workloads:
+        for on in (False, True):
+            core = make_core(
+                model,
+                "v2",
+                False,
+                "bfloat16",
+                async_scheduling=on,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=tokens,
+                max_model_len=2048,
+            )
+            vocab = core.model_info.vocab_size
+            warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
+            _engine_loop(core, warm)
+            temperature = args.temperature if name == "w1" else 0.0
+            reqs = random_requests(len(ins), ins, outs, vocab, 0, temperature)
+            res = _engine_loop(core, reqs)
+            res.pop("outputs")
+            extra: dict[str, Any] = {}
+            if name == "w2":
+                extra["decode_tok_s"] = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
+            record(
+                f"{name}_async" if on else f"{name}_sync",
+                model=model,
+                runner="v2-graphs",
+                async_scheduling=on,
+                dtype="bfloat16",
+                requests=len(reqs),
+                max_num_seqs=seqs,
+                max_num_batched_tokens=tokens,
+                **res,
+                **extra,
+            )
+            core.shutdown()
+            del core
+            free_memory()
+
+
+def section_w3(args: argparse.Namespace) -> None:
+    """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency."""
+    import urllib.request
+
+    port = 8765
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(OUT / "w3_server.log", "w")  # noqa: SIM115 - closed after the server stops
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "davit_engine.cli",
+            "serve",
+            args.w1_model,
+            "--tokenizer",
+            "byte",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "256",
+            "--max-num-batched-tokens",
+            "8192",
+            "--no-enable-prefix-caching",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        deadline = time.perf_counter() + 150
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError("davit serve did not become ready (see w3_server.log)")
+            time.sleep(1)
+        for concurrency, num in ((1, 8), (16, 64), (64, 192)):
+            out_json = OUT / f"w3_c{concurrency}.json"
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "davit_engine.cli",
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--num-prompts",
+                    str(num),
+                    "--input-len",
+                    "1024",
+                    "--output-len",
+                    "128",
+                    "--concurrency",
+                    str(concurrency),
+                    "--output-json",
+                    str(out_json),
+                    "--temperature",
+                    "0",
+                ],
+                check=True,
+                env=env,
+                timeout=120,
+            )
+            result = json.loads(out_json.read_text())
+            r = result.get("results", result)
+            record(
+                "w3",
+                model=args.w1_model,
+                concurrency=concurrency,
+                num_prompts=num,
+                input_len=1024,
+                output_len=128,
+                runner="v2-graphs",
+                async_scheduling=True,
+                **{k: r.get(k) for k in ("ttft_s", "tpot_s", "itl_s", "output_tokens_per_s")},
+            )
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tests": section_tests,
     "kernels": section_kernels,
@@ -680,6 +882,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "peer": section_peer,
     "profile": section_profile,
     "ceiling": section_ceiling,
+    "async": section_async,
+    "w3": section_w3,
 }
 
 
