@@ -11,6 +11,7 @@ from typing import Any
 
 from davit_operator.api.status import (
     IMAGE_RESOLVED,
+    MEMORY_PLANNED,
     READY,
     RECONCILING,
     RUNNER_SELECTED,
@@ -19,7 +20,15 @@ from davit_operator.api.status import (
 )
 from davit_operator.planning import Plan, PlanError
 
-CONDITION_ORDER = (READY, RECONCILING, STALLED, IMAGE_RESOLVED, RUNNER_SELECTED, SCHEDULABLE)
+CONDITION_ORDER = (
+    READY,
+    RECONCILING,
+    STALLED,
+    IMAGE_RESOLVED,
+    RUNNER_SELECTED,
+    SCHEDULABLE,
+    MEMORY_PLANNED,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,20 @@ def conditions_for(
         ]
     if plan.fit.fits is True:
         conds.append(Cond(SCHEDULABLE, "True", "NodeFits", plan.fit.message))
+    if plan.memory is not None:
+        profiling = plan.memory.source == "pending"
+        conds.append(
+            Cond(
+                MEMORY_PLANNED,
+                "False" if profiling else "True",
+                "Profiling" if profiling else plan.memory.source.capitalize(),
+                plan.memory.message,
+            )
+        )
     done, reason, message = deployment_progress(deployment, plan.replicas)
+    if plan.memory is not None and plan.memory.source == "pending" and deployment is None:
+        # Replicas wait for the profile; say so instead of "does not exist yet".
+        reason, message = "ProfilingMemory", plan.memory.message
     if done:
         head = [
             Cond(READY, "True", reason, message),

@@ -135,6 +135,10 @@ def test_profile_once_per_identity(
     )
     assert pending["source"] == "pending" and pending["profile"] == job_name
     assert deployment(kube_cluster, kube_namespace, "first") is None
+    obj = get_json(kube_cluster, "get", "infsvc", "first", "-n", kube_namespace)
+    assert condition(obj, "MemoryPlanned")["status"] == "False"
+    assert condition(obj, "Ready")["reason"] == "ProfilingMemory"
+    assert condition(obj, "Reconciling")["status"] == "True"
 
     finish_profiling_pod(kube_cluster, kube_namespace, job_name, message)
     first = wait_for(
@@ -157,6 +161,8 @@ def test_profile_once_per_identity(
     assert plan["cudaGraphBytes"] == profile.memory.cuda_graph_bytes
     assert plan["weightsBytes"] == profile.memory.weights_bytes
     assert float(plan["maxConcurrency"]) == profile.memory.max_concurrency
+    obj = get_json(kube_cluster, "get", "infsvc", "first", "-n", kube_namespace)
+    assert condition(obj, "MemoryPlanned")["reason"] == "Profile"
     stored = get_json(kube_cluster, "get", "configmap", job_name, "-n", kube_namespace)
     assert stored["metadata"]["labels"][IDENTITY_LABEL] == plan["identityHash"]
     assert MemoryProfile.from_json(stored["data"]["profile.json"]) == profile

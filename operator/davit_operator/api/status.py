@@ -23,6 +23,7 @@ STALLED = "Stalled"
 IMAGE_RESOLVED = "ImageResolved"
 RUNNER_SELECTED = "RunnerSelected"
 SCHEDULABLE = "Schedulable"
+MEMORY_PLANNED = "MemoryPlanned"
 
 
 class Condition(CrdModel):
@@ -100,7 +101,9 @@ class InferenceServiceStatus(CrdModel):
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="kstatus conditions plus ImageResolved, RunnerSelected and Schedulable.",
+        description=(
+            "kstatus conditions plus ImageResolved, RunnerSelected, Schedulable and MemoryPlanned."
+        ),
     )
     artifact: ArtifactStatus | None = Field(
         default=None, description="The exact engine artifact the pods run."
