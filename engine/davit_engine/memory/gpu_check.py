@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "--explicit-check", default="", help="shapes that also start from explicit KV bytes"
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
