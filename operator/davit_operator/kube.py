@@ -35,6 +35,7 @@ KIND_PATHS: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Job": ("/apis/batch/v1", "jobs"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
 }
 
 
@@ -225,6 +226,33 @@ class KubeClient:
             return None
         if response.status_code >= 300:
             raise self._fail("GET", path, response)
+        live: dict[str, Any] = response.json()
+        return live
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `group_version` (an installed CRD)."""
+        path = f"/apis/{group_version}"
+        response = await self._request("GET", path)
+        if response.status_code == 404:
+            return False
+        if response.status_code >= 300:
+            raise self._fail("GET", path, response)
+        return any(r.get("name") == plural for r in response.json().get("resources") or [])
+
+    async def merge_patch(
+        self, kind: str, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of an object the operator does not own (for example a user's
+        HTTPRoute): only the fields in `body` change."""
+        path = _object_path(kind, namespace, name)
+        response = await self._request(
+            "PATCH",
+            path,
+            content=json.dumps(body),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        if response.status_code >= 300:
+            raise self._fail("PATCH", path, response)
         live: dict[str, Any] = response.json()
         return live
 
