@@ -40,6 +40,9 @@ class EngineConfig:
     # Schedule step N+1 while the device runs step N, where the runner supports it (V2).
     async_scheduling: bool = True
     revision: str | None = None  # model revision (hf:// sources; informational otherwise)
+    # Custom logits processors to import and apply to every request (`module.Class`); they
+    # need runner V1.
+    logits_processors: tuple[str, ...] = ()
     max_logprobs: int = 20
     trust_remote_code: bool = False
 

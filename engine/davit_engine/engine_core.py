@@ -16,6 +16,7 @@ import torch
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
+from davit_engine.engine_flags import load_logits_processors
 from davit_engine.loader import load_model
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.runner.base import ModelRunner
@@ -68,6 +69,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        # Registered before runner selection: custom logits processors need runner V1.
+        load_logits_processors(config.logits_processors)
         self.config = config
         device = resolve_device(config)
         kind, reason = select_runner(config, device)
@@ -124,6 +127,13 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue a tokenized request (ParamError / QueueFullError on refusal)."""
+        if self.config.logits_processors:  # --logits-processors apply to every request
+            names = self.config.logits_processors + tuple(
+                n for n in req.sampling.logits_processors if n not in self.config.logits_processors
+            )
+            req = dataclasses.replace(
+                req, sampling=dataclasses.replace(req.sampling, logits_processors=names)
+            )
         req.sampling.validate(self.config.max_logprobs)
         if req.sampling.prompt_logprobs is not None:
             # RunnerOutput has no field for per-prompt-token logprobs yet.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -20,6 +21,12 @@ from types import FrameType
 import uvicorn
 
 from davit_engine.config import EngineConfig
+from davit_engine.engine_flags import (
+    check_compilation_config,
+    check_parallelism,
+    check_speculative_config,
+)
+from davit_engine.loader.hf_cache import repo_id_of, resolve_snapshot
 from davit_engine.memory.profile_only import default_output, profile_only
 from davit_engine.server.app import create_app
 from davit_engine.server.state import ServerSettings, ServerState
@@ -118,6 +125,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="schedule step N+1 while the device runs step N (runner V2; V1 stays synchronous)",
     )
     engine.add_argument("--max-logprobs", type=_int_at_least(0), default=20)
+    engine.add_argument(
+        "--revision",
+        default=None,
+        help="model revision: selects the snapshot of an hf://ORG/NAME (or ORG/NAME) model in "
+        "the local Hugging Face cache; recorded only for a local directory",
+    )
+    engine.add_argument(
+        "--logits-processors",
+        nargs="+",
+        default=[],
+        metavar="MODULE.CLASS",
+        help="custom logits processors applied to every request (needs runner V1)",
+    )
+    upstream = p.add_argument_group(
+        "upstream flags", "accepted so the operator can drive either engine; see engine_flags"
+    )
+    upstream.add_argument("--tensor-parallel-size", type=int, default=1)
+    upstream.add_argument("--pipeline-parallel-size", type=int, default=1)
+    upstream.add_argument("--data-parallel-size", type=int, default=1)
+    upstream.add_argument("--enable-expert-parallel", action="store_true")
+    upstream.add_argument("--enable-elastic-ep", action="store_true")
+    upstream.add_argument("--enable-dbo", action="store_true")
+    upstream.add_argument("--compilation-config", default=None, metavar="JSON")
+    upstream.add_argument("--speculative-config", default=None, metavar="JSON")
     memory = p.add_argument_group("memory profile")
     memory.add_argument(
         "--profile-only",
@@ -162,9 +193,27 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         max_logprobs=args.max_logprobs,
+        revision=args.revision,
+        logits_processors=tuple(args.logits_processors),
     )
     try:
         config.validate()
+        check_parallelism(
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.data_parallel_size,
+            args.enable_expert_parallel,
+            args.enable_elastic_ep,
+            args.enable_dbo,
+        )
+        check_compilation_config(args.compilation_config)
+        check_speculative_config(args.speculative_config)
+        repo_id = repo_id_of(config.model)
+        if repo_id is not None:
+            snapshot = resolve_snapshot(repo_id, config.revision)
+            config = dataclasses.replace(
+                config, model=str(snapshot), served_model_name=config.served_model_name or repo_id
+            )
     except ParamError as exc:
         parser.error(f"argument {exc.param}: {exc.message}")
     settings = ServerSettings(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
