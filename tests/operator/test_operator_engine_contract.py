@@ -6,10 +6,12 @@ fails here instead of in a crash-looping pod.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from isvc_helpers import make_spec
 
-from davit_engine.server.cli import build_parser
+from davit_engine.server.cli import build_parser, parse_args
 from davit_operator.catalog import load_catalog
 from davit_operator.planning import make_plan
 
@@ -44,3 +46,86 @@ def test_davit_serve_parses_the_operator_arguments(overrides: dict[str, object])
     assert parsed.enable_prefix_caching == plan.spec.features.prefix_caching
     if plan.spec.limits.max_model_len is not None:
         assert parsed.max_model_len == plan.spec.limits.max_model_len
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused_flag"),
+    [
+        ({}, None),  # hf://Qwen/Qwen3-8B at revision main, from the local cache
+        ({"model": {"revision": None}}, None),
+        ({"parallelism": {"tensor": 2}}, "--tensor-parallel-size"),
+        ({"parallelism": {"pipeline": 2}}, "--pipeline-parallel-size"),
+        ({"parallelism": {"data": 2}}, "--data-parallel-size"),
+        ({"parallelism": {"expert": {"enabled": True}}}, "--enable-expert-parallel"),
+        (
+            {
+                "parallelism": {
+                    "expert": {"enabled": True, "elastic": True},
+                    "dualBatchOverlap": True,
+                }
+            },
+            "--enable-expert-parallel",
+        ),
+        (
+            {"parallelism": {"tensor": 2, "sequenceParallelism": True}},
+            "--tensor-parallel-size",
+        ),
+        (
+            {
+                "features": {
+                    "speculative": {
+                        "method": "ngram",
+                        "numSpeculativeTokens": 3,
+                        "promptLookupMax": 4,
+                        "promptLookupMin": 2,
+                    }
+                }
+            },
+            "--speculative-config",
+        ),
+        (
+            {
+                "features": {
+                    "speculative": {"method": "draft_model", "draftModel": "Qwen/Qwen3-0.6B"}
+                }
+            },
+            "--speculative-config",
+        ),
+        ({"features": {"customLogitsProcessors": ["json.JSONDecoder"]}}, None),
+        ({"engine": {"runner": "v2"}, "rollout": {"drainSeconds": 5}}, None),
+    ],
+)
+def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
+    overrides: dict[str, object],
+    refused_flag: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every argument line parses with `davit serve`'s parser; the full startup check then
+    accepts it or stops naming the flag (never an unknown-argument error, never ignored)."""
+    commit = "0" * 40
+    repo = tmp_path / "models--Qwen--Qwen3-8B"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    plan = make_plan("svc", "ns", make_spec(**overrides), CATALOG)
+    args = plan.invocation.args
+    build_parser().parse_args(args)  # argparse exits 2 on any flag it does not know
+    if refused_flag is None:
+        config, settings, _ = parse_args(args)
+        assert config.model == str(repo / "snapshots" / commit)
+        assert config.served_model_name == plan.served_name
+        assert settings.drain_timeout_s == plan.spec.rollout.drain_seconds
+        if plan.spec.features.custom_logits_processors:
+            assert config.logits_processors == tuple(plan.spec.features.custom_logits_processors)
+            assert config.runner == "v1"  # the operator falls back to V1 for them too
+        return
+    assert refused_flag in args
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    assert exc.value.code == 2
+    assert f"argument {refused_flag}:" in capsys.readouterr().err
