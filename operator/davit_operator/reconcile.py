@@ -40,7 +40,7 @@ from davit_operator.profiling import needs_profile, replicas_may_start, resolve_
 from davit_operator.rollout import (
     RolloutMemory,
     RolloutResult,
-    apply_rollout_removals,
+    apply_rollout_effects,
     plan_rollout,
     rollout_status,
 )
@@ -273,7 +273,9 @@ async def reconcile(
                         },
                         memory=rollout_memory if rollout_memory is not None else RolloutMemory(),
                     )
-                    await apply_rollout_removals(runtime.kube, rollout)
+                    effects = await apply_rollout_effects(runtime.kube, namespace, rollout)
+                    if effects:
+                        runtime.post_event(body, "Normal", "Applied", ", ".join(effects))
                     for kind, reason, message in rollout.decision.events:
                         runtime.post_event(body, kind, reason, message)
                     deployment, writes = await _apply_children(

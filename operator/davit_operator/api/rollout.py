@@ -52,7 +52,18 @@ class CanarySpec(CrdModel):
         min_length=1,
         max_length=20,
         description="Traffic steps, in order; after the last one the new revision becomes "
-        "stable. Weights are realised as replica ratios (at least one canary replica).",
+        "stable. Weights are realised as replica ratios (at least one canary replica), or "
+        "on an HTTPRoute (see httpRoute).",
+    )
+    http_route: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="An HTTPRoute (Gateway API) in this namespace whose rules send traffic to "
+        "this InferenceService's Service. Where the Gateway API is installed the operator "
+        "creates the Services NAME-stable and NAME-canary and sets each such rule's "
+        "backendRefs to them with the step's weights; the stable side keeps all its replicas. "
+        "Without the Gateway API, weights fall back to replica ratios.",
     )
 
 
@@ -176,6 +187,11 @@ class RolloutStatus(CrdModel):
     message: str = Field(default="", max_length=4096, description="What happens now.")
     analysis: AnalysisResult | None = Field(
         default=None, description="The latest reading of the canary's metrics."
+    )
+    routing: str | None = Field(
+        default=None,
+        max_length=300,
+        description="How canary traffic is split: ReplicaRatio, or HTTPRoute/NAME.",
     )
     stable_spec: str | None = Field(
         default=None,

@@ -7,7 +7,7 @@ reconcile, `revision` names what the replicas run.
 from davit_operator.rollout.controller import (
     RolloutMemory,
     RolloutResult,
-    apply_rollout_removals,
+    apply_rollout_effects,
     canary_name,
     plan_rollout,
     rollout_status,
@@ -16,7 +16,7 @@ from davit_operator.rollout.controller import (
 __all__ = [
     "RolloutMemory",
     "RolloutResult",
-    "apply_rollout_removals",
+    "apply_rollout_effects",
     "canary_name",
     "plan_rollout",
     "rollout_status",

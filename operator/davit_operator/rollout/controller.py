@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,6 +24,7 @@ from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
 from davit_operator.kube import KubeClient
 from davit_operator.metrics import CHILD_WRITES
 from davit_operator.planning import Plan, PlanError
+from davit_operator.rollout.gateway import GATEWAY_VERSION, track_services, weighted_rules
 from davit_operator.rollout.machine import (
     Decision,
     Inputs,
@@ -43,19 +44,26 @@ TRACK_LABEL = f"{GROUP}/track"
 CANARY_SUFFIX = "-canary"
 # How long the rollout status this process wrote stands in for a watch event not yet seen.
 RECENT_STATUS_SECONDS = 30.0
+GATEWAY_CHECK_SECONDS = 60.0
 
 
 def canary_name(name: str) -> str:
     return f"{name}{CANARY_SUFFIX}"
 
 
-def stable_deployment(plan: Plan, owner: Owner, replicas: int, paused: bool) -> dict[str, Any]:
-    """The stable Deployment for `plan` (the stable revision's plan), scaled for the step."""
+def stable_deployment(
+    plan: Plan, owner: Owner, replicas: int, paused: bool, track_label: bool = False
+) -> dict[str, Any]:
+    """The stable Deployment for `plan` (the stable revision's plan), scaled for the step.
+    `track_label` marks its pods `track=stable` for the HTTPRoute's stable Service."""
     built = deployment(plan, owner)
     built["metadata"]["annotations"] = {REVISION_ANNOTATION: revision_of(built)}
     built["spec"]["replicas"] = replicas
     if paused:
         built["spec"]["paused"] = True
+    if track_label:
+        template = built["spec"]["template"]["metadata"]
+        template["labels"] = {**template["labels"], TRACK_LABEL: "stable"}
     return built
 
 
@@ -141,6 +149,7 @@ class RolloutMemory:
     process wrote last, which a reconcile that runs before the watch shows it must not undo."""
 
     written: tuple[dict[str, Any], list[dict[str, Any]], float] | None = None
+    gateway: tuple[bool, float] | None = None  # (Gateway API served, when checked)
 
 
 @dataclass(frozen=True)
@@ -148,21 +157,46 @@ class RolloutResult:
     decision: Decision
     deployments: list[dict[str, Any]]  # desired Deployments (stable first)
     remove_canary: dict[str, Any] | None  # the live canary Deployment to delete
+    services: list[dict[str, Any]] = field(default_factory=list)  # per-track (HTTPRoute)
+    route: tuple[str, str, int, int] | None = None  # (route, service, port, canary weight)
 
     def children(self, plan: Plan, owner: Owner) -> list[dict[str, Any]]:
         """Every child to apply: the rollout's Deployments, then the plan's other children."""
         others = [c for c in children(plan, owner) if c["kind"] != "Deployment"]
-        return [*self.deployments, *others]
+        return [*self.deployments, *others, *self.services]
 
 
-async def apply_rollout_removals(kube: KubeClient, result: RolloutResult) -> None:
+async def apply_rollout_effects(
+    kube: KubeClient, namespace: str, result: RolloutResult
+) -> list[str]:
     """Delete the canary Deployment the decision no longer wants (by uid: a new canary of the
-    same name is left alone)."""
+    same name is left alone) and set the HTTPRoute's weights; returns what was written."""
+    writes = []
     live = result.remove_canary
     if live is not None:
         meta = live["metadata"]
         await kube.delete("Deployment", meta["namespace"], meta["name"], meta["uid"])
         CHILD_WRITES.labels(kind="Deployment", action="delete").inc()
+        writes.append(f"deleted Deployment {meta['name']}")
+    if result.route is not None:
+        route, service, port, weight = result.route
+        current = await kube.get("HTTPRoute", namespace, route)
+        if current is not None:
+            rules = list((current.get("spec") or {}).get("rules") or [])
+            wanted = weighted_rules(rules, service, port, weight)
+            if wanted != rules:
+                await kube.merge_patch("HTTPRoute", namespace, route, {"spec": {"rules": wanted}})
+                CHILD_WRITES.labels(kind="HTTPRoute", action="patch").inc()
+                writes.append(f"set HTTPRoute {route} weights {100 - weight}/{weight}")
+    return writes
+
+
+async def _gateway_served(kube: KubeClient, memory: RolloutMemory) -> bool:
+    """Whether HTTPRoutes are served, checked at most once a minute."""
+    now = time.monotonic()
+    if memory.gateway is None or now - memory.gateway[1] > GATEWAY_CHECK_SECONDS:
+        memory.gateway = (await kube.serves(GATEWAY_VERSION, "httproutes"), now)
+    return memory.gateway[0]
 
 
 def _target(plan: Plan, owner: Owner) -> Target:
@@ -220,6 +254,14 @@ async def plan_rollout(
             now=now,
         )
     )
+    route_name = spec.canary.http_route if spec.canary is not None else None
+    on_route = route_name is not None and await _gateway_served(kube, memory)
+    rollout = dict(decision.rollout)
+    rollout["routing"] = f"HTTPRoute/{route_name}" if on_route else "ReplicaRatio"
+    decision = replace(decision, rollout=rollout)
+    if on_route and decision.canary_replicas > 0:
+        # The route splits the traffic: the stable side keeps every replica.
+        decision = replace(decision, stable_replicas=max(decision.stable_replicas, plan.replicas))
     memory.written = (decision.rollout, decision.revisions, time.monotonic())
     if decision.stable_spec_json == target.spec_json:
         stable_plan = plan
@@ -233,14 +275,32 @@ async def plan_rollout(
             # only the spec's revision can be built.
             stable_plan = plan
     deployments = [
-        stable_deployment(stable_plan, owner, decision.stable_replicas, decision.stable_paused)
+        stable_deployment(
+            stable_plan,
+            owner,
+            decision.stable_replicas,
+            decision.stable_paused,
+            track_label=route_name is not None,
+        )
     ]
     remove = None
     if decision.canary_replicas > 0:
         deployments.append(canary_deployment(plan, owner, decision.canary_replicas))
     elif canary_live is not None:
         remove = canary_live
-    return RolloutResult(decision=decision, deployments=deployments, remove_canary=remove)
+    services: list[dict[str, Any]] = []
+    route = None
+    if on_route and route_name is not None:
+        services = track_services(plan, owner, TRACK_LABEL)
+        weight = int(decision.rollout.get("weight") or 0) if decision.canary_replicas else 0
+        route = (route_name, plan.name, plan.port, weight)
+    return RolloutResult(
+        decision=decision,
+        deployments=deployments,
+        remove_canary=remove,
+        services=services,
+        route=route,
+    )
 
 
 def rollout_status(
