@@ -35,6 +35,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 __all__ = ["chart_crds"]  # the fixture, imported for this module's tests
 
 READY_TIMEOUT = 120.0
+# A real memory profile of the engine for the NOTES example's shape on CPU (see the README in
+# that folder); written as the profiling pod's termination message, as a kubelet would.
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "profiles" / "cpu-qwen3-0.6b.json"
+PROFILE_IDENTITY_LABEL = "serving.davit.dev/profile-identity"
 
 
 def free_loopback_port() -> int:
@@ -143,8 +147,9 @@ class LocalOperator:
 
 
 @pytest.fixture
-def operators(tmp_path: Path) -> Iterator[list[LocalOperator]]:
-    """Started operators; stopped afterwards, with their logs shown when a test fails."""
+def operators(tmp_path: Path, releases: list[Release]) -> Iterator[list[LocalOperator]]:
+    """Started operators; stopped afterwards (before their releases are uninstalled), with their
+    logs shown when a test fails."""
     started: list[LocalOperator] = []
     yield started
     for op in started:
@@ -206,6 +211,56 @@ def apply_notes_example(helm: Helm, cluster: LocalCluster, release: Release) -> 
     return str(example["metadata"]["name"])
 
 
+def complete_profiling(cluster: LocalCluster, namespace: str, op: LocalOperator) -> None:
+    """Play the kubelet for the memory-profiling Job the operator starts: KWOK marks its pod
+    Succeeded without running it; the engine would leave its profile as the termination
+    message."""
+
+    def finished_pod() -> bool:
+        op.running()
+        jobs = cluster.kubectl_json(
+            "get", "jobs", f"--namespace={namespace}", "-l", PROFILE_IDENTITY_LABEL
+        )
+        if not jobs["items"]:
+            return False
+        job = jobs["items"][0]["metadata"]["name"]
+        pods = cluster.kubectl_json(
+            "get", "pods", f"--namespace={namespace}", "-l", f"job-name={job}"
+        )
+        done = [p for p in pods["items"] if p["status"].get("phase") == "Succeeded"]
+        finished.extend(p["metadata"]["name"] for p in done[:1])
+        return bool(done)
+
+    finished: list[str] = []
+    wait_for("the profiling Job's pod to finish", finished_pod, 60)
+    terminated = {"exitCode": 0, "reason": "Completed", "message": PROFILE.read_text().strip()}
+    status = {
+        "status": {
+            "phase": "Succeeded",
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "image": "engine",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        }
+    }
+    cluster.kubectl(
+        "patch",
+        "pod",
+        finished[0],
+        f"--namespace={namespace}",
+        "--subresource=status",
+        "--type=merge",
+        "--patch",
+        json.dumps(status),
+    )
+
+
 def inference_service(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
     obj: dict[str, Any] = cluster.kubectl_json(
         "get", "inferenceservice", name, f"--namespace={namespace}"
@@ -258,10 +313,16 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
     operators.append(op)
 
     name = apply_notes_example(helm, cluster, release)
+    complete_profiling(cluster, ns, op)
     wait_for(
         f"{name} to become Ready",
         lambda: op.running() and is_ready(inference_service(cluster, ns, name)),
     )
+    # The profile went into a ConfigMap (create/patch rights) and sized the engine's KV cache.
+    (stored,) = cluster.kubectl_json(
+        "get", "configmaps", f"--namespace={ns}", "-l", PROFILE_IDENTITY_LABEL
+    )["items"]
+    assert stored["data"]
 
     # kopf's liveness endpoint answers where the chart's probes look for it.
     with urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5) as r:
@@ -298,6 +359,7 @@ def test_peering_hands_over_between_overlapping_operators(
     old = LocalOperator.start(release, tmp_path / "old-operator.log")
     operators.append(old)
     name = apply_notes_example(helm, cluster, release)
+    complete_profiling(cluster, ns, old)
     wait_for(
         f"{name} to become Ready",
         lambda: old.running() and is_ready(inference_service(cluster, ns, name)),

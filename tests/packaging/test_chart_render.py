@@ -30,6 +30,8 @@ NAMESPACED: set[Permission] = (
     | triples("", "services", WORKLOAD)
     | triples("policy", "poddisruptionbudgets", WORKLOAD)
     | triples("batch", "jobs", WORKLOAD)
+    | triples("", "configmaps", {"get", "create", "patch"})
+    | triples("gateway.networking.k8s.io", "httproutes", {"get", "patch"})
     | triples("", "pods", READ)
     # Stored memory profiles (davit_operator.profiling).
     | triples("", "configmaps", {"get", "create", "patch"})

@@ -53,7 +53,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 ClusterRole (cluster-wide mode) or a Role in the watched namespace. Only the verbs the operator
 uses: children are written by server-side apply (PATCH, which needs create to make a new object),
 read through kopf indexes (list/watch) and removed by DELETE; nothing is ever PUT (update).
-Jobs are for the memory-profiling runs; pods are read for rollout progress. */}}
+Jobs are the memory-profiling runs, whose results are kept in ConfigMaps (read and applied, never
+listed or deleted); pods are read for profiling results and rollout progress; a user's HTTPRoute
+is read and merge-patched for canary weights. */}}
 {{- define "davit.namespacedRules" -}}
 - apiGroups: ["serving.davit.dev"]
   resources: ["inferenceservices"]
@@ -73,6 +75,12 @@ Jobs are for the memory-profiling runs; pods are read for rollout progress. */}}
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
