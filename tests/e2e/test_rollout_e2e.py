@@ -81,7 +81,7 @@ def test_rolling_update_under_load_fails_no_admitted_request(e2e: E2E) -> None:
     load = Load(endpoints, "smol", PROMPT, max_tokens=6, workers=3).start()
     try:
         wait_for("traffic on the old revision", lambda: load.tally.ok >= 6, 60, e2e)
-        spec["limits"] = {"maxNumSeqs": 16}  # a new engine command line: a new revision
+        spec["limits"]["maxNumSeqs"] = 16  # a new engine command line: a new revision
         e2e.apply(document("roll", spec))
         done = wait_complete(e2e, "roll", 300, not_revision=old_revision)
         # Keep the load on the new replicas for a moment.
@@ -90,6 +90,8 @@ def test_rolling_update_under_load_fails_no_admitted_request(e2e: E2E) -> None:
     finally:
         tally = load.stop()
         endpoints.stop()
+        # Free the machine for the next test: its engines drain and stop.
+        e2e.cluster.kubectl("delete", "infsvc", "roll", "-n", e2e.namespace, "--wait=false")
 
     assert tally.failed == [], tally.failed
     hashes = {key.split("/")[1] for key in tally.by_track}
@@ -153,7 +155,7 @@ def test_canary_rolls_back_a_failing_revision_and_promotes_a_good_one(e2e: E2E) 
 
         # A revision whose context is too short for the load's prompts: every request it
         # admits is refused with 400, counted by its engine's http_requests_total.
-        spec["limits"] = {"maxModelLen": 32}
+        spec["limits"]["maxModelLen"] = 32
         e2e.apply(document("canary", spec))
 
         def rolled_back() -> dict[str, Any] | None:
@@ -193,7 +195,7 @@ def test_canary_rolls_back_a_failing_revision_and_promotes_a_good_one(e2e: E2E) 
         assert all(" 400 " in f for f in bad.failed), bad.failed[:3]
 
         # A good revision passes both steps and becomes stable.
-        spec["limits"] = {"maxModelLen": 2048}
+        spec["limits"]["maxModelLen"] = 2048
         e2e.apply(document("canary", spec))
         done = wait_complete(e2e, "canary", 300, not_revision=good_revision)
         ok_before = load.tally.ok

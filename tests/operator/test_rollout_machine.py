@@ -177,6 +177,7 @@ def test_a_canary_over_the_error_threshold_rolls_back_and_stays_back() -> None:
     assert d.rollout["phase"] == "RolledBack"
     assert (d.canary_replicas, d.stable_replicas, d.stable_spec_json) == (0, 4, OLD.spec_json)
     assert d.failed == "RolledBack"
+    assert (d.rollout["analysis"]["requests"], d.rollout["analysis"]["errors"]) == (20, 6)
     assert d.condition[:2] == ("False", "RolledBack")
     assert "error ratio 0.300 > 0.1 over 20 requests" in d.condition[2]
     kind, reason, message = w.events[-1]

@@ -479,6 +479,8 @@ def _canary(inp: Inputs, stable_json: str) -> Decision:
     step = steps[index]
     canary, stable = canary_split(inp.replicas, step.weight)
     analysis = _analysis(inp)
+    # A failure below reports the reading that caused it.
+    inp = replace(inp, old={**old, "analysis": analysis})
     fields: dict[str, Any] = {"step": index, "weight": step.weight, "analysis": analysis}
     events: list[tuple[str, str, str]] = []
     ready = obs.canary_revision == t.revision and obs.canary_ready >= canary
