@@ -11,7 +11,9 @@ mkdir -p "$stamp_dir"
 # Reinstall the Python side only when pyproject.toml changed.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 have=$(cat "$stamp_dir/pip-stamp" 2>/dev/null || true)
-if [ "$want" != "$have" ] || ! "$PYTHON" -c 'import davit_engine, davit_operator' 2>/dev/null; then
+# The editable install must point at this checkout, not at another clone on the same machine.
+where=$("$PYTHON" -c 'import davit_engine, davit_operator, os; print(os.path.dirname(os.path.dirname(os.path.realpath(davit_engine.__file__))))' 2>/dev/null || true)
+if [ "$want" != "$have" ] || [ "$where" != "$(pwd -P)/engine" ]; then
   "$PYTHON" -m pip install -q -e '.[all]'
   echo "$want" >"$stamp_dir/pip-stamp"
 fi
