@@ -10,6 +10,7 @@ matches both tracks, so the replica ratio is the traffic ratio.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,7 @@ from davit_operator.api import GROUP
 from davit_operator.api.rollout import ROLLOUT_PROGRESSING
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
-from davit_operator.kube import KubeClient
+from davit_operator.kube import KubeClient, KubeError
 from davit_operator.metrics import CHILD_WRITES
 from davit_operator.planning import Plan, PlanError
 from davit_operator.rollout.gateway import GATEWAY_VERSION, track_services, weighted_rules
@@ -37,6 +38,8 @@ from davit_operator.rollout.machine import (
 from davit_operator.rollout.metrics import Reading, read_pods
 from davit_operator.rollout.revision import revision_of
 from davit_operator.status import deployment_progress
+
+logger = logging.getLogger(__name__)
 
 REVISION_ANNOTATION = f"{GROUP}/revision"
 REVISION_LABEL = f"{GROUP}/revision"
@@ -241,7 +244,15 @@ async def plan_rollout(
     if observed.canary_revision == target.revision and observed.canary_ready > 0:
         last = parse_iso((old.get("analysis") or {}).get("at"))
         if last is None or now - last >= spec.analysis.interval_seconds:
-            reading = await read_canary(kube, plan, target.revision)
+            try:
+                reading = await read_canary(kube, plan, target.revision)
+            except KubeError as exc:
+                # No reading this time (for example pods not readable yet): the step is not
+                # judged, and its deadline still runs.
+                logger.warning("rollout %s: cannot list the canary pods: %s", plan.name, exc)
+                reading = None
+            if reading is not None and reading.pods_read == 0:
+                reading = None
     decision = decide(
         Inputs(
             spec=spec,
