@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.cluster
 
 StartOperator = Callable[..., OperatorProcess]
-PROFILE_FILE = Path(__file__).resolve().parents[1] / "data" / "profiles" / "cpu-qwen3-0.6b.json"
+PROFILE_FILE = Path(__file__).resolve().parents[1] / "data" / "profiles" / "h200-qwen3-0.6b.json"
 IDENTITY_LABEL = "serving.davit.dev/profile-identity"
 KV_FLAG = "--kv-cache-memory-bytes"
 
