@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,24 @@ def test_profile_job_runs_the_replicas_image_and_placement() -> None:
     stored = profile_config_map("ns", h, "{}", "{}")
     assert stored["metadata"]["labels"][PROFILE_IDENTITY_LABEL] == h
     assert "ownerReferences" not in stored["metadata"]
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 100, 128, 256, 300, 1024])
+def test_graph_sizes_follow_the_engine(max_num_seqs: int) -> None:
+    from davit_engine.runner.v2.graphs import graph_batch_sizes as engine_sizes
+    from davit_operator.planning.memory import graph_batch_sizes
+
+    assert graph_batch_sizes(max_num_seqs) == engine_sizes(max_num_seqs)
+
+
+def test_graph_estimate_against_the_h200_measurements() -> None:
+    from davit_operator.planning.memory import cuda_graph_estimate
+
+    for line in (PROFILES / "h200-memory-check.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "measured" not in row:
+            continue
+        shape = SHAPES.shapes[row["shape"]]
+        measured = row["measured"]["cuda_graph_bytes"]
+        estimate = cuda_graph_estimate(shape, row["max_num_seqs"], 2)
+        assert abs(estimate - measured) / measured < 0.05, row["shape"]

@@ -41,8 +41,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_BLOCK_SIZE = 16
 ACCELERATOR_DTYPE_BYTES = 2  # bf16 on accelerators
-# Estimates of what the shape does not say: CUDA context and library workspaces, and the
-# CUDA-graph pool (per decode row: fp32 logits plus a few hidden-size buffers per layer).
+# Estimate of what the shape does not say: CUDA context and library workspaces (0.77 GiB
+# measured on an H200 with torch 2.11).
 NON_TORCH_ESTIMATE_BYTES = 1 << 30
 KV_FLAG = "--kv-cache-memory-bytes"
 
@@ -235,7 +235,7 @@ def estimate_memory(
     )
     logits = limits.max_num_seqs * shape.vocab_size * 4
     activation = t * width * dtype_bytes + 3 * logits
-    graphs = logits + limits.max_num_seqs * shape.hidden_size * dtype_bytes * 8
+    graphs = cuda_graph_estimate(shape, limits.max_num_seqs, dtype_bytes)
     budget = int(device_bytes * limits.gpu_memory_utilization)
     room = budget - (weights + activation + graphs + NON_TORCH_ESTIMATE_BYTES)
     largest = 0
@@ -253,6 +253,25 @@ def estimate_memory(
         max_model_len=limits.max_model_len,
         largest_max_model_len=int(largest),
     )
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes runner V2 captures (davit_engine.runner.v2.graphs, which imports
+    torch; a test keeps the two equal)."""
+    sizes = [1, 2, 4, 8, *range(16, 129, 8), *range(144, max_num_seqs + 1, 16)]
+    sizes = [s for s in sizes if s <= max_num_seqs]
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def cuda_graph_estimate(shape: ModelShape, max_num_seqs: int, dtype_bytes: int) -> int:
+    """Every captured graph keeps its own fp32 logits output ([size, vocab]) alive in the pool;
+    the intermediates are shared, the largest graph's. On an H200 this was within 3% of the
+    measured pool (Qwen3-0.6B 1.56 GiB, Llama-3.1-8B 1.31 GiB at 256 sequences)."""
+    rows = sum(graph_batch_sizes(max_num_seqs))
+    intermediates = max_num_seqs * (4 * shape.hidden_size + 2 * shape.intermediate_size)
+    return rows * shape.vocab_size * 4 + intermediates * dtype_bytes
 
 
 def _gib(n: int) -> str:
