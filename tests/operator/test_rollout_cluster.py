@@ -103,3 +103,75 @@ def test_a_revision_that_never_gets_ready_is_rolled_back_at_its_deadline(
         ).stdout
     )["items"]  # fmt: skip
     assert any(e["reason"] == "RolledBack" and e["type"] == "Warning" for e in events)
+
+
+CANARY = merge(
+    SPEC,
+    {
+        "replicas": 2,
+        "rollout": {
+            "strategy": "Canary",
+            "canary": {"steps": [{"weight": 50, "pauseSeconds": 5}]},
+            "progressDeadlineSeconds": 600,
+        },
+    },
+)
+
+
+def test_canary_pause_resume_and_abort_on_the_cluster(
+    kube_cluster: Any, kube_namespace: str, start_operator: Any
+) -> None:
+    """KWOK pods run no engine: the canary gets no reading and waits at its step, which is
+    enough to see pause, resume and an abort (the spec reverted) act on the real objects."""
+    start_operator(drift_interval=1.0)
+    apply_yaml(kube_cluster, kube_namespace, [isvc(CANARY)])
+    wait_for("stable", lambda: phase(kube_cluster, kube_namespace) == "Complete" or None, 60)
+    changed = merge(CANARY, {"limits": {"maxNumSeqs": 8}})
+    apply_yaml(kube_cluster, kube_namespace, [isvc(changed)])
+
+    def canary_replicas() -> tuple[int, int] | None:
+        found = kube_cluster.kubectl(
+            "get", "deployment", "r-canary", "-n", kube_namespace, "-o", "json", check=False
+        )
+        if found.returncode != 0:
+            return None  # not created yet
+        canary = json.loads(found.stdout)
+        stable = get(kube_cluster, kube_namespace, "deployment", "r")
+        return (canary["spec"]["replicas"], stable["spec"]["replicas"])
+
+    assert wait_for("canary Deployment", canary_replicas, 30) == (1, 1)
+    obj = get(kube_cluster, kube_namespace, "infsvc", "r")
+    assert obj["status"]["rollout"]["weight"] == 50
+    assert obj["status"]["rollout"]["routing"] == "ReplicaRatio"
+    assert condition(obj, "Reconciling")["status"] == "True"
+
+    apply_yaml(kube_cluster, kube_namespace, [isvc(merge(changed, {"rollout": {"paused": True}}))])
+    wait_for("paused", lambda: phase(kube_cluster, kube_namespace) == "Paused" or None, 30)
+    obj = get(kube_cluster, kube_namespace, "infsvc", "r")
+    assert condition(obj, "RolloutProgressing")["status"] == "Unknown"
+    assert canary_replicas() == (1, 1)
+    apply_yaml(kube_cluster, kube_namespace, [isvc(changed)])
+    wait_for("resumed", lambda: phase(kube_cluster, kube_namespace) == "Progressing" or None, 30)
+
+    # Reverting the spec aborts the canary: its Deployment goes, the stable one is whole again.
+    apply_yaml(kube_cluster, kube_namespace, [isvc(CANARY)])
+    wait_for("complete", lambda: phase(kube_cluster, kube_namespace) == "Complete" or None, 30)
+
+    def canary_gone() -> bool | None:
+        names = kube_cluster.kubectl(
+            "get", "deployments", "-n", kube_namespace, "-o", "name"
+        ).stdout.split()
+        return names == ["deployment.apps/r"] or None
+
+    wait_for("canary Deployment deleted", canary_gone, 30)
+    assert get(kube_cluster, kube_namespace, "deployment", "r")["spec"]["replicas"] == 2
+    obj = get(kube_cluster, kube_namespace, "infsvc", "r")
+    assert [r["outcome"] for r in obj["status"]["revisions"]] == ["Succeeded", "Superseded"]
+    events = json.loads(
+        kube_cluster.kubectl(
+            "get", "events", "-n", kube_namespace, "--field-selector", "involvedObject.name=r",
+            "-o", "json",
+        ).stdout
+    )["items"]  # fmt: skip
+    reasons = {e["reason"] for e in events}
+    assert {"RolloutStarted", "Paused", "Resumed", "RolloutAborted"} <= reasons
