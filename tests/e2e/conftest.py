@@ -196,13 +196,10 @@ def base_spec(replicas: int, rollout: dict[str, Any]) -> dict[str, Any]:
             "file": GGUF,
             "servedName": "smol",
         },
+        "engine": {"type": "davit", "version": "0.1.0"},
         # An explicit KV size: no memory search at startup, 64 MiB instead of gigabytes per
         # engine on a shared CPU machine.
-        "engine": {
-            "type": "davit",
-            "version": "0.1.0",
-            "extraArgs": ["--kv-cache-memory-bytes=67108864"],
-        },
+        "limits": {"kvCacheMemoryBytes": 64 << 20},
         "accelerator": {"vendor": "cpu"},
         "replicas": replicas,
         "pod": {"nodeSelector": {"kubernetes.io/hostname": NODE}},
