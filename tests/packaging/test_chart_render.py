@@ -33,8 +33,6 @@ NAMESPACED: set[Permission] = (
     | triples("", "configmaps", {"get", "create", "patch"})
     | triples("gateway.networking.k8s.io", "httproutes", {"get", "patch"})
     | triples("", "pods", READ)
-    # Stored memory profiles (davit_operator.profiling).
-    | triples("", "configmaps", {"get", "create", "patch"})
     | triples("", "events", {"create", "patch"})
 )
 CLUSTER_READS: set[Permission] = triples("", "nodes", READ) | triples(

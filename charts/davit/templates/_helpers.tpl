@@ -85,9 +85,6 @@ is read and merge-patched for canary weights. */}}
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
-  resources: ["configmaps"]
-  verbs: ["get", "create", "patch"]
-- apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end -}}
