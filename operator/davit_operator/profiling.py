@@ -51,6 +51,28 @@ class ProfileOutcome:
     action: str | None = None  # "created profiling Job", "stored profile" (for events)
 
 
+class ProfileCache:
+    """Profiles this process has read or stored, by identity hash. Lets synchronous planning
+    (the stable revision's plan during a canary) give replicas the same KV bytes as before,
+    so re-rendering an unchanged revision never changes its pod template."""
+
+    def __init__(self) -> None:
+        self._profiles: dict[str, MemoryProfile] = {}
+
+    def remember(self, identity: str, profile: MemoryProfile) -> None:
+        self._profiles[identity] = profile
+
+    def apply(self, plan: Plan) -> Plan:
+        """`plan` with its identity's known profile; unchanged when none is known."""
+        if not needs_profile(plan):
+            return plan
+        identity = identity_hash(profile_identity(plan))
+        profile = self._profiles.get(identity)
+        if profile is None:
+            return plan
+        return with_memory(plan, profile_plan(profile, identity, profile_name(identity)))
+
+
 def needs_profile(plan: Plan) -> bool:
     """Our engine, and no explicit KV size: upstream images have no `--profile-only`."""
     memory = plan.memory
@@ -93,9 +115,11 @@ def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-async def resolve_profile(kube: KubeClient, plan: Plan, owner: Owner) -> ProfileOutcome:
+async def resolve_profile(
+    kube: KubeClient, plan: Plan, owner: Owner, cache: ProfileCache | None = None
+) -> ProfileOutcome:
     """See the module docstring. Raises PlanError for a failed or unreadable profile run and
-    KubeError for API errors (the caller retries those)."""
+    KubeError for API errors (the caller retries those). Profiles found go into `cache`."""
     identity_doc = profile_identity(plan)
     identity = identity_hash(identity_doc)
     name = profile_name(identity)
@@ -107,6 +131,8 @@ async def resolve_profile(kube: KubeClient, plan: Plan, owner: Owner) -> Profile
             profile = MemoryProfile.from_json(text)
         except ProfileFormatError as exc:
             raise _invalid(name, f"ConfigMap {name} holds no usable profile: {exc}") from exc
+        if cache is not None:
+            cache.remember(identity, profile)
         return ProfileOutcome(with_memory(plan, profile_plan(profile, identity, name)), True)
     job = await kube.get("Job", namespace, name)
     if job is None:
@@ -138,6 +164,8 @@ async def resolve_profile(kube: KubeClient, plan: Plan, owner: Owner) -> Profile
         identity_json = json.dumps(identity_doc, sort_keys=True, default=str)
         await kube.apply(profile_config_map(namespace, identity, profile.to_json(), identity_json))
         logger.info("%s/%s: stored profile %s", namespace, plan.name, name)
+        if cache is not None:
+            cache.remember(identity, profile)
         memory = profile_plan(profile, identity, name)
         return ProfileOutcome(with_memory(plan, memory), True, f"stored profile {name}")
     conditions = (job.get("status") or {}).get("conditions") or []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,7 +36,12 @@ from davit_operator.metrics import (
 )
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning import NodeFacts, Plan, PlanError, default_shapes, make_plan
-from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
+from davit_operator.profiling import (
+    ProfileCache,
+    needs_profile,
+    replicas_may_start,
+    resolve_profile,
+)
 from davit_operator.rollout import (
     RolloutMemory,
     RolloutResult,
@@ -68,6 +73,7 @@ class Runtime:
     profile_memory: bool = False
     # config.json over HTTP for shapes the catalog lacks (davit_operator.model_config).
     model_configs: ModelConfigSource | None = None
+    profiles: ProfileCache = field(default_factory=ProfileCache)
 
 
 def _now() -> str:
@@ -244,7 +250,9 @@ async def reconcile(
                     name, namespace, spec, runtime.catalog, _nodes(indexes["node"]), shapes
                 )
                 if runtime.profile_memory and needs_profile(plan):
-                    profiled = await resolve_profile(runtime.kube, plan, Owner(name=name, uid=uid))
+                    profiled = await resolve_profile(
+                        runtime.kube, plan, Owner(name=name, uid=uid), runtime.profiles
+                    )
                     plan = profiled.plan
                     if profiled.action:
                         runtime.post_event(body, "Normal", "MemoryProfile", profiled.action)
@@ -263,8 +271,9 @@ async def reconcile(
                         kube=runtime.kube,
                         plan=plan,
                         owner=owner,
-                        make_stable_plan=lambda s: make_plan(
-                            name, namespace, s, runtime.catalog, nodes
+                        # The stable revision keeps the KV bytes its replicas were started with.
+                        make_stable_plan=lambda s: runtime.profiles.apply(
+                            make_plan(name, namespace, s, runtime.catalog, nodes)
                         ),
                         status=dict(body.status),
                         live={

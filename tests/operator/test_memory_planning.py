@@ -217,3 +217,20 @@ def test_graph_estimate_against_the_h200_measurements() -> None:
         measured = row["measured"]["cuda_graph_bytes"]
         estimate = cuda_graph_estimate(shape, row["max_num_seqs"], 2)
         assert abs(estimate - measured) / measured < 0.05, row["shape"]
+
+
+def test_profile_cache_keeps_a_revisions_kv_bytes() -> None:
+    from davit_operator.profiling import ProfileCache
+
+    profile = MemoryProfile.from_json((PROFILES / "h200-qwen3-0.6b.json").read_text())
+    cache = ProfileCache()
+    plan = plan_of(model={"source": "random://qwen3-0.6b"}, limits={"maxModelLen": 8192})
+    assert cache.apply(plan) == plan  # nothing known yet: unchanged
+    cache.remember(identity_hash(profile_identity(plan)), profile)
+    applied = cache.apply(plan)
+    args = applied.invocation.args
+    assert args[args.index(KV_FLAG) + 1] == str(profile.memory.kv_cache_bytes)
+    assert applied.memory is not None and applied.memory.source == "profile"
+    # Another identity is not given this profile.
+    other = plan_of(model={"source": "random://qwen3-0.6b"}, limits={"maxModelLen": 4096})
+    assert cache.apply(other) == other
