@@ -334,7 +334,7 @@ def test_rocm_model_rules_from_catalog_data(tmp_path: Path) -> None:
 
 EXPECTED = {
     "cpu-smollm2.yaml": ("ghcr.io/davit-dev/davit-engine:0.1.0-cpu", "v1"),
-    "ngram-speculative.yaml": ("ghcr.io/davit-dev/davit-engine:0.1.0-cuda13.0", "v2"),
+    "ngram-speculative.yaml": ("vllm/vllm-openai:v0.33.0rc3", "v2"),
     "qwen3-h200-davit.yaml": ("ghcr.io/davit-dev/davit-engine:0.1.0-cuda13.0", "v2"),
     "rocm-mi300x.yaml": ("vllm/vllm-openai-rocm:v0.33.0rc3", "v2"),
     "vllm-0.33-h200.yaml": ("vllm/vllm-openai:v0.33.0rc3", "v2"),
