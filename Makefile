@@ -21,6 +21,7 @@ typecheck:
 
 crds-check:
 	$(PYTHON) -m davit_operator.api.crdgen --check
+	bash hack/packaging/sync-chart-crds.sh --check
 
 pytest:
 	$(PYTHON) -m pytest tests

