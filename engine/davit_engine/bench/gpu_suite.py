@@ -778,12 +778,24 @@ def section_async(args: argparse.Namespace) -> None:
 
 
 def section_w3(args: argparse.Namespace) -> None:
-    """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency."""
+    """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner."""
+    for i, runner in enumerate(args.w3_runners.split(",")):
+        _w3_one(args, runner, 8765 + i)
+
+
+W3_RUNNER_FLAGS = {
+    "v2-graphs": ["--runner", "v2"],
+    "v2-eager": ["--runner", "v2", "--enforce-eager"],
+    "v2-graphs-sync": ["--runner", "v2", "--no-async-scheduling"],
+    "v1": ["--runner", "v1"],
+}
+
+
+def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
     import urllib.request
 
-    port = 8765
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = open(OUT / "w3_server.log", "w")  # noqa: SIM115 - closed after the server stops
+    log = open(OUT / f"w3_server_{runner}.log", "w")  # noqa: SIM115 - closed after the server stops
     server = subprocess.Popen(
         [
             sys.executable,
@@ -804,6 +816,7 @@ def section_w3(args: argparse.Namespace) -> None:
             "--no-enable-prefix-caching",
             "--log-level",
             "warning",
+            *W3_RUNNER_FLAGS[runner],
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -819,10 +832,15 @@ def section_w3(args: argparse.Namespace) -> None:
             except OSError:
                 pass
             if server.poll() is not None or time.perf_counter() > deadline:
-                raise RuntimeError("davit serve did not become ready (see w3_server.log)")
+                raise RuntimeError(f"davit serve did not become ready (see w3_server_{runner}.log)")
             time.sleep(1)
-        for concurrency, num in ((1, 8), (16, 64), (64, 192)):
-            out_json = OUT / f"w3_c{concurrency}.json"
+        loads = (
+            ((1, 8), (16, 64), (64, 192))
+            if runner == "v2-graphs"
+            else ((1, 4), (16, 32), (64, 128))
+        )
+        for concurrency, num in loads:
+            out_json = OUT / f"w3_{runner}_c{concurrency}.json"
             subprocess.run(
                 [
                     sys.executable,
@@ -858,8 +876,8 @@ def section_w3(args: argparse.Namespace) -> None:
                 num_prompts=num,
                 input_len=1024,
                 output_len=128,
-                runner="v2-graphs",
-                async_scheduling=True,
+                runner=runner,
+                async_scheduling=runner in ("v2-graphs", "v2-eager"),
                 **{k: r.get(k) for k in ("ttft_s", "tpot_s", "itl_s", "output_tokens_per_s")},
             )
     finally:
@@ -905,6 +923,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w2-model", default="random:llama-3.1-8b")
     parser.add_argument("--w1-runners", default="v2-graphs")
     parser.add_argument("--w2-runners", default="v2-graphs")
+    parser.add_argument(
+        "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
     parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")
