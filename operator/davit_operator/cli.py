@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import sys
 
 OPERATOR_USAGE = "davit operator [--namespace NS ... | --all-namespaces] [flags]"
@@ -58,6 +59,14 @@ def _operator_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         default=None,
         help="enable kopf peering (one active operator per NAME); off by default",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        metavar="N",
+        help="peering priority: the live operator with the highest priority reconciles, the "
+        "others stand by (default with --peering: a random priority, so replicas never tie)",
     )
     parser.add_argument(
         "--memory-profiling",
@@ -128,10 +137,25 @@ def run_operator(argv: list[str]) -> int:
             namespaces=args.namespace or (),
             standalone=args.peering is None,
             peering_name=args.peering,
+            priority=peering_priority(args.peering, args.priority),
             liveness_endpoint=args.liveness or None,
         )
     )
     return 0
+
+
+def peering_priority(peering: str | None, priority: int | None) -> int:
+    """The kopf peering priority of this process.
+
+    kopf freezes every operator when two live peers share a priority, so replicas started from
+    one template must not all keep the default: each draws a random one and the highest
+    reconciles while the others stand by, taking over when it stops.
+    """
+    if priority is not None:
+        return priority
+    if peering is None:
+        return 0
+    return random.SystemRandom().randint(1, 2**31 - 1)
 
 
 def operator_cli_main(command: str, rest: list[str]) -> int:

@@ -51,3 +51,13 @@ def test_demo_refuses_an_unknown_example(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["no-such-example.yaml"]) == 2
     err = capsys.readouterr().err
     assert "no such example no-such-example.yaml" in err and "cpu-smollm2.yaml" in err
+
+
+def test_peering_priorities_are_distinct_unless_given() -> None:
+    from davit_operator.cli import peering_priority
+
+    assert peering_priority(None, None) == 0
+    assert peering_priority("davit", 7) == 7
+    drawn = {peering_priority("davit", None) for _ in range(20)}
+    # kopf freezes every peer when two share a priority: replicas must not tie.
+    assert len(drawn) == 20 and all(p >= 1 for p in drawn)

@@ -102,7 +102,7 @@ class LocalOperator:
     proc: subprocess.Popen[bytes]
 
     @classmethod
-    def start(cls, release: Release, log: Path) -> LocalOperator:
+    def start(cls, release: Release, log: Path, *extra: str) -> LocalOperator:
         port = free_loopback_port()
         kept = [a for a in release.args if not a.startswith(("--metrics-port", "--liveness"))]
         argv = [
@@ -113,6 +113,7 @@ class LocalOperator:
             *kept,
             "--metrics-port=0",
             f"--liveness=http://127.0.0.1:{port}/healthz",
+            *extra,
         ]
         # KUBECONFIG is how the process finds its credentials (the pod uses in-cluster config).
         env = {**os.environ, "KUBECONFIG": str(release.kubeconfig)}
@@ -342,7 +343,7 @@ def test_operator_reconciles_the_notes_example_with_the_chart_rbac(
     assert_no_permission_errors(op)
 
 
-def test_peering_hands_over_between_overlapping_operators(
+def test_peering_elects_one_operator_and_hands_over(
     kube_cluster: LocalCluster,
     kube_namespace: str,
     chart_crds: None,
@@ -351,54 +352,61 @@ def test_peering_hands_over_between_overlapping_operators(
     operators: list[LocalOperator],
     releases: list[Release],
 ) -> None:
-    """What a rolling update of the chart's Deployment does: a second operator joins while the
-    first still runs; no reconcile happens while both are alive, and the second takes over as
-    soon as the first leaves."""
+    """Two replicas (or the old and new pod of a rolling update) in one peering: the one with
+    the higher priority reconciles, the other stands by and takes over once it leaves."""
     cluster, ns = kube_cluster, kube_namespace
     release = install(helm, cluster, ns, tmp_path, releases, f"watchNamespace={ns}")
-    old = LocalOperator.start(release, tmp_path / "old-operator.log")
-    operators.append(old)
+    # Replicas draw random priorities; fixed ones here make the leader known in advance.
+    leader = LocalOperator.start(release, tmp_path / "leader.log", "--priority=200")
+    operators.append(leader)
     name = apply_notes_example(helm, cluster, release)
-    complete_profiling(cluster, ns, old)
+    complete_profiling(cluster, ns, leader)
     wait_for(
         f"{name} to become Ready",
-        lambda: old.running() and is_ready(inference_service(cluster, ns, name)),
+        lambda: leader.running() and is_ready(inference_service(cluster, ns, name)),
     )
 
-    new = LocalOperator.start(release, tmp_path / "new-operator.log")
-    operators.append(new)
+    standby = LocalOperator.start(release, tmp_path / "standby.log", "--priority=100")
+    operators.append(standby)
     wait_for("both operators in the peering", lambda: len(peers(cluster, release, False)) == 2)
-    # The old one pauses on seeing a peer of equal priority; the new one starts paused.
-    wait_for("the old operator to pause", lambda: "Pausing all operators" in old.text(), 30)
-    wait_for("the new operator to see the old", lambda: "conflicting operators" in new.text(), 30)
-
-    cluster.kubectl(
-        "patch",
-        "inferenceservice",
-        name,
-        f"--namespace={ns}",
-        "--type=merge",
-        "--patch",
-        json.dumps({"spec": {"replicas": 2}}),
-    )
-    generation = inference_service(cluster, ns, name)["metadata"]["generation"]
+    # An operator starts paused and resumes once peering shows no live peer above it: the
+    # standby never resumes while the leader lives.
     time.sleep(5)
-    paused = inference_service(cluster, ns, name)
-    assert paused["status"]["observedGeneration"] < generation, "a paused operator reconciled"
+    assert "Resuming operations" not in standby.text()
 
-    old.stop()
-    wait_for(
-        "the old operator to leave the peering", lambda: len(peers(cluster, release, False)) == 1
-    )
-    wait_for(
-        "the new operator to reconcile the change",
-        lambda: new.running() and is_ready(inference_service(cluster, ns, name)),
-    )
-    deployment = cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")
-    assert deployment["spec"]["replicas"] == 2
-    assert "Resuming operations after the pause" in new.text()
+    def scale_to(replicas: int, operator: LocalOperator) -> None:
+        cluster.kubectl(
+            "patch",
+            "inferenceservice",
+            name,
+            f"--namespace={ns}",
+            "--type=merge",
+            "--patch",
+            json.dumps({"spec": {"replicas": replicas}}),
+        )
+        wait_for(
+            f"{name} scaled to {replicas}",
+            lambda: (
+                operator.running()
+                and cluster.kubectl_json("get", "deployment", name, f"--namespace={ns}")["spec"][
+                    "replicas"
+                ]
+                == replicas
+                and is_ready(inference_service(cluster, ns, name))
+            ),
+        )
+
+    # The leader keeps reconciling while the standby is alive.
+    scale_to(2, leader)
+    assert "Pausing" not in leader.text()
+    assert "Resuming operations" not in standby.text()
+
+    leader.stop()
+    wait_for("the leader to leave the peering", lambda: len(peers(cluster, release, False)) == 1)
+    scale_to(1, standby)
+    assert "Resuming operations after the pause" in standby.text()
 
     cluster.kubectl("delete", "inferenceservice", name, f"--namespace={ns}", "--timeout=60s")
-    new.stop()
-    assert_no_permission_errors(old)
-    assert_no_permission_errors(new)
+    standby.stop()
+    assert_no_permission_errors(leader)
+    assert_no_permission_errors(standby)

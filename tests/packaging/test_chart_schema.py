@@ -11,8 +11,7 @@ BAD_VALUES = [
     (["replicaCount=-1"], "/replicaCount", "minimum"),
     (["replicaCount=0"], "/replicaCount", "minimum"),
     (["replicaCount=two"], "/replicaCount", "integer"),
-    # One operator reconciles at a time (kopf peering pauses equal-priority peers).
-    (["replicaCount=2"], "/replicaCount", "maximum"),
+    (["replicaCount=6"], "/replicaCount", "maximum"),
     (["unknownKey=1"], "unknownKey", "not allowed"),
     (["image.registry=x"], "registry", "not allowed"),
     (["image.pullPolicy=Sometimes"], "/image/pullPolicy", "IfNotPresent"),
