@@ -21,6 +21,7 @@ from davit_engine.loader import LoadedModel
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache
 from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.paged_kv import allocate_kv_caches, dummy_prefill
 from davit_engine.runner.sampler import Sampler
 from davit_engine.types import TokenLogprob
 
@@ -68,51 +69,22 @@ class RunnerV1(ModelRunner):
         return self.memory_profile.memory.num_blocks
 
     def _dummy_forward(self, num_tokens: int) -> None:
-        c = self.model_config
-        num_tokens = max(1, min(num_tokens, c.max_position_embeddings))
-        num_blocks = -(-num_tokens // self.block_size)
-        caches = [
-            torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                c.num_kv_heads,
-                c.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for _ in range(c.num_layers)
-        ]
-        positions = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=positions,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            backend=self.backend,
+        dummy_prefill(
+            self.model,
+            self.model_config,
+            self.backend,
+            num_tokens,
+            self.config.max_num_seqs,
+            self.block_size,
+            self.dtype,
+            self.device,
         )
-        with torch.inference_mode():
-            hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
         self.num_blocks = num_blocks
         # kv_caches[layer]: [2, num_blocks, block_size, Hkv, D]
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                c.num_kv_heads,
-                c.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for _ in range(c.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(c, num_blocks, self.block_size, self.dtype, self.device)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
             num_blocks,

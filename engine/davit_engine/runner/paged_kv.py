@@ -1,0 +1,51 @@
+"""The paged KV-cache tensors and the dummy prefill used to measure memory; shared by runners."""
+
+from __future__ import annotations
+
+import torch
+
+from davit_engine.layers.attention import AttentionBackend, AttentionMetadata
+from davit_engine.loader import ModelConfig
+from davit_engine.models.llama import LlamaForCausalLM
+
+
+def allocate_kv_caches(
+    c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per layer: [2, num_blocks, block_size, Hkv, D] (keys [0], values [1])."""
+    return [
+        torch.zeros(
+            2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device
+        )
+        for _ in range(c.num_layers)
+    ]
+
+
+def dummy_prefill(
+    model: LlamaForCausalLM,
+    c: ModelConfig,
+    backend: AttentionBackend,
+    num_tokens: int,
+    num_logit_rows: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """One prefill of `num_tokens` into a private cache, then logits for the last rows: the
+    activation peak a real step of that size reaches."""
+    num_tokens = max(1, min(num_tokens, c.max_position_embeddings))
+    num_blocks = -(-num_tokens // block_size)
+    caches = allocate_kv_caches(c, num_blocks, block_size, dtype, device)
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions,
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        backend=backend,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.zeros_like(positions), positions, caches, meta)
+        model.compute_logits(hidden[-min(num_tokens, num_logit_rows) :])
