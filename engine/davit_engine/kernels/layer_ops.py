@@ -84,9 +84,77 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 @triton.jit
+def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    num_rows,
+    eps,
+    DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (dims[None, :] < DIM)
+    offs = rows.to(tl.int64)[:, None] * DIM + dims[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    total = _round(x + r, dtype)  # the residual stream, materialised like torch's `a + b`
+    tl.store(sum_ptr + offs, total.to(dtype), mask=mask)
+    variance = tl.sum(total * total, 1) / DIM
+    normed = _round(total * tl.rsqrt(variance + eps)[:, None], dtype)
+    w = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (normed * w[None, :]).to(dtype), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual` (rounded to x's dtype), then RMSNorm of s: returns (norm(s), s).
+
+    One kernel for a decoder layer's residual add and the RMSNorm that follows it; x and
+    residual are contiguous `[T, D]` tensors of one dtype.
+    """
+    assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+    assert x.dim() == 2 and x.dtype == residual.dtype
+    out = torch.empty_like(x)
+    total = torch.empty_like(x)
+    num_rows, dim = x.shape
+    if num_rows == 0:
+        return out, total
+    rows = 4 if dim > 2048 else 16
+    _add_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x,
+        residual,
+        weight,
+        out,
+        total,
+        num_rows,
+        eps,
+        DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim),
+        ROWS=rows,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out, total
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch layers' computation: the residual add, then layers/norm.py's RMSNorm."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
+@triton.jit
 def _norm_rope_heads(  # type: ignore[no-untyped-def]
     x_ptr,
-    out_ptr,
     weight_ptr,
     token,
     stride_t,
@@ -102,6 +170,8 @@ def _norm_rope_heads(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
+    """Both halves of every head of one token, normed (optionally) and rotated: fp32 values
+    already rounded to DTYPE, `[BLOCK_H, HALF]` each."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -118,17 +188,37 @@ def _norm_rope_heads(  # type: ignore[no-untyped-def]
     # rotate-half: out = x * cos + cat(-x2, x1) * sin, each product materialised like torch's
     out1 = _round(_round(x1 * c1, DTYPE) + _round(-x2 * s1, DTYPE), DTYPE)
     out2 = _round(_round(x2 * c2, DTYPE) + _round(x1 * s2, DTYPE), DTYPE)
-    dst = out_ptr + token.to(tl.int64) * num_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(dst, out1.to(DTYPE), mask=mask)
-    tl.store(dst + HALF, out2.to(DTYPE), mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _store_heads(  # type: ignore[no-untyped-def]
+    dst_ptr,
+    row_stride,
+    out1,
+    out2,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Store `[BLOCK_H, HALF]` halves as contiguous heads of 2 * HALF starting at dst_ptr."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    dst = dst_ptr + heads * row_stride + dims
+    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
+    v_ptr,
     q_out_ptr,
     k_out_ptr,
+    cache_ptr,
+    slot_ptr,
     q_weight_ptr,
     k_weight_ptr,
     cos_ptr,
@@ -137,11 +227,15 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_rope,
+    value_offset,
     num_q_heads,
     num_k_heads,
     eps,
     HAS_NORM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -154,14 +248,31 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
     s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
-    _norm_rope_heads(
-        q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+    q1, q2 = _norm_rope_heads(
+        q_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
-    _norm_rope_heads(
-        k_ptr, k_out_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
+    q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
+    _store_heads(q_dst, 2 * HALF, q1, q2, num_q_heads, HALF, BLOCK_HQ)
+    k1, k2 = _norm_rope_heads(
+        k_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
     )  # fmt: skip
+    if WRITE_KV:
+        # Straight into the paged cache at the token's slot (negative: padding, skipped).
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
+            _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
+            heads = tl.arange(0, BLOCK_HK)[:, None]
+            full = tl.arange(0, 2 * HALF)[None, :]
+            v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
+            v = tl.load(v_src, mask=heads < num_k_heads, other=0.0)
+            v_dst = k_dst + value_offset + heads * 2 * HALF + full
+            tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=heads < num_k_heads)
+    else:
+        k_dst = k_out_ptr + token.to(tl.int64) * num_k_heads * 2 * HALF
+        _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
 
 
 def qk_norm_rope(
@@ -172,11 +283,20 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm weights (Qwen3), or None
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token."""
+    v: torch.Tensor | None = None,  # [T, Hkv, D]: with kv_cache, written beside the keys
+    kv_cache: torch.Tensor | None = None,  # [2, num_blocks, block_size, Hkv, D], contiguous
+    slot_mapping: torch.Tensor | None = None,  # [T] int64, negative = padding
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token.
+
+    Returns (q, k). With `kv_cache` (and `v`, `slot_mapping`) the rotated keys and the values go
+    straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
+    store them, and no key tensor is returned (None).
+    """
     num_tokens, num_q_heads, dim = q.shape
+    write_kv = kv_cache is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    k_out = None if write_kv else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
     cos = cos.reshape(num_tokens, dim)
@@ -184,12 +304,19 @@ def qk_norm_rope(
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
     assert cos.stride(0) == sin.stride(0)
     assert dim % 2 == 0 and triton.next_power_of_2(dim // 2) == dim // 2
+    if write_kv:
+        assert v is not None and slot_mapping is not None and kv_cache is not None
+        assert kv_cache.is_contiguous() and v.stride(2) == 1
+        assert tuple(kv_cache.shape[3:]) == (k.shape[1], dim)
     has_norm = q_weight is not None and k_weight is not None
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         k,
+        v if v is not None else k,
         q_out,
-        k_out,
+        k_out if k_out is not None else q_out,
+        kv_cache if kv_cache is not None else q_out,
+        slot_mapping if slot_mapping is not None else q_out,
         q_weight if q_weight is not None else q,
         k_weight if k_weight is not None else k,
         cos,
@@ -198,11 +325,15 @@ def qk_norm_rope(
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0) if v is not None else 0,
+        v.stride(1) if v is not None else 0,
         cos.stride(0),
+        kv_cache[0].numel() if kv_cache is not None else 0,
         num_q_heads,
         k.shape[1],
         eps,
         HAS_NORM=has_norm,
+        WRITE_KV=write_kv,
         HALF=dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),

@@ -51,6 +51,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     req = pid // num_q_tiles
@@ -108,6 +109,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                 mask=key_valid[None, :] & dim_valid[:, None],
                 other=0.0,
             )
+            if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
+                v = tl.load(
+                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :],
+                    other=0.0,
+                )
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
@@ -116,11 +123,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             p = tl.exp2(qk - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                mask=key_valid[:, None] & dim_valid[None, :],
-                other=0.0,
-            )
+            if not EARLY_V:
+                v = tl.load(
+                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :],
+                    other=0.0,
+                )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -182,12 +190,19 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     )
 
 
+# Decode key tile when the key range is split (short splits, latency-bound) and otherwise.
+_SPLIT_DECODE_BLOCK_N = 32
+_DECODE_BLOCK_N = 64
+MAX_SPLITS = 64
+
+
 def default_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Key-range splits for a decode step: enough programs to cover the GPU twice, never a
-    split shorter than 256 keys (then the merge would cost more than it saves)."""
+    """Key-range splits for a decode step: enough programs for about four per multiprocessor
+    of a large GPU, at most one split per 32-key tile. Splits past the keys a step has do no work, so a CUDA graph
+    captured for `max_model_len` keeps short contexts cheap while long ones spread out."""
     programs = max(num_requests * num_kv_heads, 1)
-    wanted = max(1, math.ceil(264 / programs))
-    return max(1, min(16, wanted, math.ceil(max_seq_len / 256)))
+    wanted = max(1, math.ceil(528 / programs))
+    return max(1, min(MAX_SPLITS, wanted, math.ceil(max_seq_len / _SPLIT_DECODE_BLOCK_N)))
 
 
 def paged_attention(
@@ -220,7 +235,7 @@ def paged_attention(
     is_decode = max_query_len == 1
     block_m = max(16 if is_decode else 64, group_pad)
     block_q = block_m // group_pad
-    block_n = 64 if is_decode else 64
+    block_n = (_SPLIT_DECODE_BLOCK_N if num_splits > 1 else _DECODE_BLOCK_N) if is_decode else 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     if num_splits > 1:
@@ -263,6 +278,7 @@ def paged_attention(
         PAGE=page,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EARLY_V=is_decode and num_splits > 1,
         num_warps=4,
         num_stages=2,
     )

@@ -3,7 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from davit_engine.kernels.kv_cache import write_kv_reference
 from davit_engine.kernels.layer_ops import (
+    add_rms_norm,
+    add_rms_norm_reference,
     qk_norm_rope,
     qk_norm_rope_reference,
     rms_norm,
@@ -53,6 +56,57 @@ def test_qk_norm_rope(device: torch.device, dtype: torch.dtype, with_norm: bool)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_writes_the_kv_cache(
+    device: torch.device, dtype: torch.dtype, with_norm: bool
+) -> None:
+    """With a cache the rotated keys and the values land at each token's slot exactly as
+    rotary followed by `write_kv` would put them; padding slots (-1) write nothing."""
+    torch.manual_seed(4)
+    dim, heads, kv_heads, page, blocks = 16, 4, 2, 4, 5
+    positions = torch.tensor([0, 5, 9, 2, 3], device=device)
+    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
+    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
+    qkv = torch.randn(5, heads + 2 * kv_heads, dim, device=device).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype) if with_norm else None
+    qw = weights[0] if weights is not None else None
+    kw = weights[1] if weights is not None else None
+    slots = torch.tensor([3, 17, -1, 0, 9], dtype=torch.int64, device=device)
+    ours_cache = torch.full((2, blocks, page, kv_heads, dim), 7.0, device=device).to(dtype)
+    ref_cache = ours_cache.clone()
+    q_ours, k_none = qk_norm_rope(
+        q, k, cos, sin, qw, kw, 1e-6, v=v, kv_cache=ours_cache, slot_mapping=slots
+    )
+    q_ref, k_ref = qk_norm_rope_reference(q, k, cos, sin, qw, kw, 1e-6)
+    write_kv_reference(k_ref, v, ref_cache, slots)
+    assert k_none is None
+    assert _close(q_ours, q_ref, dtype)
+    assert _close(ours_cache, ref_cache, dtype)
+    untouched = torch.ones(2 * blocks * page, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    untouched[blocks * page + slots[slots >= 0]] = False
+    flat = ours_cache.view(2 * blocks * page, kv_heads, dim)
+    assert bool((flat[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm(device: torch.device, dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(6, 48, device=device).to(dtype)
+    residual = (4 * torch.randn(6, 48, device=device)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(48, device=device)).to(dtype)
+    normed, total = add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_total = add_rms_norm_reference(x, residual, weight, 1e-5)
+    assert torch.equal(total, ref_total)  # one rounded add: bit-exact
+    assert _close(normed, ref_normed, dtype)
+    empty = torch.empty(0, 48, device=device, dtype=dtype)
+    assert add_rms_norm(empty, empty, weight, 1e-5)[0].shape == (0, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_mul(device: torch.device, dtype: torch.dtype) -> None:
     torch.manual_seed(2)
     x = (3 * torch.randn(3, 2 * 1500, device=device)).to(dtype)
@@ -79,4 +133,10 @@ def test_bf16_real_shapes_match_reference_closely(device: torch.device) -> None:
     ours_qk = qk_norm_rope(qkv[:, :32], qkv[:, 32:40], cos, sin, nw[0], nw[1], 1e-6)
     ref_qk = qk_norm_rope_reference(qkv[:, :32], qkv[:, 32:40], cos, sin, nw[0], nw[1], 1e-6)
     for a, b in zip(ours_qk, ref_qk, strict=True):
+        assert a is not None
         assert float((a != b).float().mean()) < 0.01
+    residual = torch.randn(256, 4096, device=device, dtype=dtype)
+    ours_pair = add_rms_norm(x, residual, w, 1e-5)
+    ref_pair = add_rms_norm_reference(x, residual, w, 1e-5)
+    assert torch.equal(ours_pair[1], ref_pair[1])
+    assert float((ours_pair[0] != ref_pair[0]).float().mean()) < 0.01

@@ -84,13 +84,27 @@ def test_padding_rows_without_blocks_give_zeros(device: torch.device) -> None:
 
 
 def test_default_num_splits() -> None:
-    assert default_num_splits(1, 8, 1280) == 5  # long enough for 5 splits of >= 256 keys
-    assert default_num_splits(1, 8, 100_000) == 16
+    assert default_num_splits(1, 8, 1280) == 40  # one split per 32-key tile
+    assert default_num_splits(1, 8, 100_000) == 64  # capped
+    assert default_num_splits(1, 8, 5) == 1
+    assert default_num_splits(16, 8, 100_000) == 5  # 128 programs -> ~4 per multiprocessor
     assert default_num_splits(256, 8, 4096) == 1
 
 
+def test_many_splits_most_of_them_empty(device: torch.device) -> None:
+    """A decode graph captured for a long horizon: 64 splits over contexts of 1 to 300 keys,
+    so most splits own no key tile and only the merge sees them."""
+    torch.manual_seed(6)
+    q, cache, tables, lens, qsl = _batch(
+        device, [1, 1, 1], [1, 70, 300], (4, 2), 16, 4, torch.float32
+    )
+    out = paged_attention(q, cache, tables, lens, qsl, 1, 0.25, num_splits=64)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25)
+    assert _rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize("num_splits", [1, 8, 64])
 def test_paged_attention_bf16_real_shapes(device: torch.device, num_splits: int) -> None:
     torch.manual_seed(5)
     q_lens = [1] * 6 + [300, 1000]

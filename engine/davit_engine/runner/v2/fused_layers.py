@@ -1,25 +1,41 @@
-"""Route the model's elementwise layers to the fused Triton kernels (kernels/layer_ops.py).
+"""Route the model's layers to the fused Triton kernels (kernels/layer_ops.py, kernels/gemv.py).
 
-Runner V2 owns its model instance, so it swaps the forward of each RMSNorm, attention block and
-MLP for one that runs fused kernels, the way a custom-op registry picks a backend
-implementation. Weights and the module tree stay as they are; the swap is per instance. An
-attention forward whose signature this module does not know is left alone (and counted out),
-so a change to the model composition degrades speed, never correctness.
+Runner V2 owns its model instance, so it swaps the forward of each RMSNorm, attention block,
+MLP, linear layer and of the model itself for one that runs fused kernels, the way a custom-op
+registry picks a backend implementation. Weights and the module tree stay as they are; the swap
+is per instance. Per decoder layer at decode batch sizes:
+
+- the residual add after attention and after the MLP each run in one kernel with the RMSNorm
+  that follows (the next layer's input norm, or the final norm);
+- q/k norm + rotary write the rotated keys and the values straight into the paged KV cache
+  when the attention backend is the Triton one (no separate cache-write kernel);
+- linear layers at a few rows use the skinny-GEMM kernel where `GemvPlan` measured it faster.
+
+An attention forward whose signature this module does not know is left alone (and counted
+out), so a change to the model composition degrades speed, never correctness.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from davit_engine.kernels.layer_ops import qk_norm_rope, rms_norm, silu_mul
+from davit_engine.kernels.attention_backend import TritonPagedAttention
+from davit_engine.kernels.gemv import GemvPlan, gemv
+from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.layers.norm import RMSNorm
-from davit_engine.models.llama import LlamaAttention, LlamaMLP
+from davit_engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +72,17 @@ def _attention_core(
     v = v.view(num_tokens, kv_heads, dim)
     q_norm, k_norm = module.q_norm, module.k_norm
     eps = q_norm.eps if q_norm is not None else 1e-6
-    q, k = qk_norm_rope(
-        q,
-        k,
-        cos,
-        sin,
-        q_norm.weight if q_norm is not None else None,
-        k_norm.weight if k_norm is not None else None,
-        eps,
-    )
-    meta.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+    q_weight = q_norm.weight if q_norm is not None else None
+    k_weight = k_norm.weight if k_norm is not None else None
+    if isinstance(meta.backend, TritonPagedAttention):  # its cache layout: write in the kernel
+        q, _ = qk_norm_rope(
+            q, k, cos, sin, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
+            slot_mapping=meta.slot_mapping,
+        )  # fmt: skip
+    else:
+        q, k_rot = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+        assert k_rot is not None
+        meta.backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping)
     out = meta.backend.forward(q, kv_cache, meta, module.scale)  # [T, Hq, D]
     return module.o_proj(out.reshape(num_tokens, heads * dim))
 
@@ -100,8 +117,71 @@ def _fused_attention(module: LlamaAttention) -> Any | None:
     return None
 
 
-def install_fused_layers(model: nn.Module) -> int:
-    """Swap in the fused kernels on every matching submodule; returns how many were swapped."""
+def _skinny_linear(module: nn.Linear, plan: GemvPlan) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        config = plan.choose(x, module.weight)
+        if config is None:
+            return F.linear(x, module.weight, module.bias)
+        return gemv(x, module.weight, module.bias, config)
+
+    return forward
+
+
+def _fused_model(model: LlamaForCausalLM) -> Any:
+    """The model's forward with every residual add fused into the RMSNorm after it."""
+    layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
+    norms_after_mlp: list[RMSNorm] = [layer.input_layernorm for layer in layers[1:]]
+    norms_after_mlp.append(model.model.norm)
+
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(layers):
+            raise ValueError(
+                f"expected {len(layers)} KV caches (one per layer), got {len(kv_caches)}"
+            )
+        residual = model.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = model.model.rotary.lookup(positions, residual.dtype)
+        if residual.shape[0] == 0:
+            return model.model.norm(residual)
+        first = layers[0].input_layernorm
+        x = rms_norm(residual, first.weight, first.eps)
+        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms_after_mlp, strict=True):
+            attn = layer.self_attn(rope, x, kv_cache, meta)
+            post = layer.post_attention_layernorm
+            x, residual = add_rms_norm(attn, residual, post.weight, post.eps)
+            x, residual = add_rms_norm(layer.mlp(x), residual, next_norm.weight, next_norm.eps)
+        return x
+
+    return forward
+
+
+def _fusable_model(model: nn.Module) -> bool:
+    """A LlamaForCausalLM whose decoder layers and attention take the rope tuple (the shape the
+    fused model forward calls)."""
+    if type(model) is not LlamaForCausalLM:
+        return False
+    if any(type(layer) is not LlamaDecoderLayer for layer in model.model.layers):
+        return False
+    params = list(inspect.signature(LlamaAttention.forward).parameters)[1:]
+    return params[:1] == ["rope"]
+
+
+def install_fused_layers(model: nn.Module, gemv_plan: GemvPlan | None = None) -> int:
+    """Swap in the fused kernels on every matching submodule; returns how many were swapped.
+
+    Without `gemv_plan`, one is built from the environment (`DAVIT_TRITON_GEMV`) and, on CUDA,
+    measured on the model's own weights.
+    """
+    if gemv_plan is None:
+        gemv_plan = GemvPlan.from_env()
+        linear_weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+        if linear_weights and linear_weights[0].is_cuda:
+            with torch.inference_mode():
+                gemv_plan.tune(linear_weights)
     swapped = 0
     skipped = 0
     for module in model.modules():
@@ -112,6 +192,10 @@ def install_fused_layers(model: nn.Module) -> int:
             forward = _fused_attention(module)
         elif isinstance(module, LlamaMLP):
             forward = _fused_mlp(module)
+        elif isinstance(module, nn.Linear):
+            forward = _skinny_linear(module, gemv_plan)
+        elif isinstance(module, LlamaForCausalLM):
+            forward = _fused_model(module) if _fusable_model(module) else None
         else:
             continue
         if forward is None:
@@ -120,7 +204,6 @@ def install_fused_layers(model: nn.Module) -> int:
         setattr(module, "forward", forward)  # noqa: B010 - an instance attribute, seen by __call__
         swapped += 1
     if skipped:
-        logger.warning(
-            "fused layers: %d attention blocks of unknown signature left as they are", skipped
-        )
+        logger.warning("fused layers: %d modules of unknown composition left as they are", skipped)
+    setattr(model, "gemv_plan", gemv_plan)  # noqa: B010 - read by benchmarks and the log
     return swapped

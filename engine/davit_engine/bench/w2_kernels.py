@@ -1,0 +1,141 @@
+"""Decode-step kernels at batch 1 on the Llama-3.1-8B shape, each timed inside a CUDA graph.
+
+`python3 -m davit_engine.bench.w2_kernels` prints one JSON line per measurement (configuration
+included): the skinny-GEMM table against the library GEMM for every linear shape of the model at
+1, 2, 4 and 8 rows; decode attention at 1,152 keys for several split counts; the fused residual
+add + RMSNorm against the two separate kernels; rotary with the KV-cache write fused against
+rotary then `write_kv`. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from davit_engine.kernels.gemv import GemvPlan
+from davit_engine.kernels.kv_cache import write_kv
+from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
+from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
+
+
+def _emit(**row: object) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def _graph_us(fn: Callable[[], object], repeats: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / repeats
+
+
+def gemv_table() -> None:
+    dtype = torch.bfloat16
+    shapes = {
+        "qkv_proj": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
+        "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+        "gate_up_proj": (2 * INTER, HIDDEN),
+        "down_proj": (HIDDEN, INTER),
+        "lm_head": (VOCAB, HIDDEN),
+    }
+    weights = {
+        name: (0.02 * torch.randn(n, k, device="cuda")).to(dtype) for name, (n, k) in shapes.items()
+    }
+    plan = GemvPlan(mode="auto")
+    plan.tune(list(weights.values()))
+    names = {(n, k): name for name, (n, k) in shapes.items()}
+    for timing in plan.timings:
+        _emit(section="gemv", layer=names[(timing.n, timing.k)], **timing.as_dict())
+
+
+def attention() -> None:
+    dtype = torch.bfloat16
+    ctx, page = 1152, 16
+    blocks = ctx // page + 1
+    cache = torch.randn(2, blocks, page, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
+    tables = torch.randperm(blocks, device="cuda")[None].int()
+    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    kv_bytes = 2 * ctx * KV_HEADS * HEAD_DIM * 2
+    for horizon in (2048, 8192):
+        splits = default_num_splits(1, KV_HEADS, horizon)
+        for num_splits in sorted({1, 8, 16, splits}):
+
+            def run(n: int = num_splits) -> object:
+                return paged_attention(q, cache, tables, lens, qsl, 1, HEAD_DIM**-0.5, n)
+
+            us = _graph_us(run)
+            _emit(
+                section="decode_attention",
+                batch=1,
+                context=ctx,
+                heads=f"{HEADS}/{KV_HEADS}x{HEAD_DIM}",
+                graph_horizon=horizon,
+                num_splits=num_splits,
+                default_for_horizon=num_splits == splits,
+                us=round(us, 2),
+                tb_per_s=round(kv_bytes / us / 1e6, 3),
+            )
+
+
+def elementwise() -> None:
+    dtype = torch.bfloat16
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
+    residual = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
+    weight = torch.ones(HIDDEN, device="cuda", dtype=dtype)
+    fused = _graph_us(lambda: add_rms_norm(x, residual, weight, 1e-5))
+    separate = _graph_us(lambda: rms_norm(x + residual, weight, 1e-5))
+    _emit(section="add_rms_norm", rows=1, dim=HIDDEN, fused_us=round(fused, 2),
+          add_then_norm_us=round(separate, 2))  # fmt: skip
+    qkv = torch.randn(1, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    cos = torch.randn(1, HEAD_DIM, device="cuda", dtype=dtype)
+    sin = torch.randn(1, HEAD_DIM, device="cuda", dtype=dtype)
+    cache = torch.zeros(2, 64, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    slots = torch.tensor([37], dtype=torch.int64, device="cuda")
+
+    def rope_then_write() -> None:
+        q2, k2 = qk_norm_rope(q, k, cos, sin)
+        assert k2 is not None
+        write_kv(k2, v, cache, slots)
+
+    fused_kv = _graph_us(
+        lambda: qk_norm_rope(q, k, cos, sin, v=v, kv_cache=cache, slot_mapping=slots)
+    )
+    _emit(section="rope_kv_write", rows=1, fused_us=round(fused_kv, 2),
+          rope_then_write_us=round(_graph_us(rope_then_write), 2))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sections", default="gemv,attention,elementwise")
+    args = parser.parse_args(argv)
+    sections = {"gemv": gemv_table, "attention": attention, "elementwise": elementwise}
+    _emit(section="config", device=torch.cuda.get_device_name(), torch=torch.__version__)
+    for name in args.sections.split(","):
+        sections[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
