@@ -6,6 +6,9 @@ Sections (pick with `--sections`, in this order):
 - `v1v2`: runner V2 (graphs and eager) against runner V1, greedy, fp32, token for token;
 - `hf`: greedy completions against transformers on the same random weights (fp32 exact share,
   bf16 identical share) for a Qwen3 and a Llama shape;
+- `parity`: fp32 greedy of a Llama, a Qwen2 and a Qwen3 shape (and SmolLM2's real weights with
+  `--smollm2-gguf`) through runner V2 (CUDA graphs) and runner V1 against transformers
+  `generate()`, and V2 against V1 token for token;
 - `w1`, `w2`, `peer`: the issue's workloads, and the transformers peer at one shape;
 - `profile`: where a decode step's time goes (torch.profiler, eager kernels) at the W1 shape;
 - `async`: W1 and W2 through the engine's own step loop with asynchronous scheduling on and
@@ -26,7 +29,9 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +434,301 @@ def section_hf(args: argparse.Namespace) -> None:
             mean_matching_prefix=round(prefix / n, 2),
             logit_gap_at_first_difference=[round(g, 5) for g in sorted(gaps)],
         )
+
+
+# ---- parity: fp32 greedy of every family against transformers ---------------------------------
+
+# Chat prompts for a checkpoint that carries a tokenizer and a chat template (SmolLM2's GGUF):
+# short questions and a few longer ones, so prompt lengths vary and answers end on EOS or run on.
+PARITY_CHAT = [
+    "What is the capital of France?",
+    "Name three fruits that are red.",
+    "Write a haiku about the autumn wind.",
+    "Explain in one sentence what a battery stores.",
+    "What is 9 plus 16?",
+    "How do I say 'thank you' in German?",
+    "Who painted the Mona Lisa?",
+    "Give me one tip for sleeping better, and tell me why it works for most people.",
+    "What is the largest ocean on Earth?",
+    "Describe a lighthouse to a child who has never seen the sea, in two sentences.",
+    "What does a web browser do?",
+    "Name a mammal that can fly.",
+    "Why do leaves change colour in autumn? Keep the answer short and simple, please.",
+    "Suggest a name for a bicycle repair shop.",
+    "At what temperature in Celsius does water freeze?",
+    "Tell the story of the tortoise and the hare in one sentence.",
+]
+REFERENCE_OURS = "transformers (our weights)"
+REFERENCE_GGUF = "transformers (GGUF load)"
+
+
+@dataclass(frozen=True)
+class ParityPrompts:
+    """Prompts of one parity run and how both sides treat EOS.
+
+    `eos_token_ids` empty: EOS is ignored on both sides (every completion has `output_len`
+    tokens). Otherwise both sides stop at the first of these ids, which ends the completion.
+    """
+
+    token_ids: list[list[int]]
+    eos_token_ids: tuple[int, ...]
+    input_len: str  # as recorded: "64" or "27-61 (chat template)"
+    decode: Callable[[list[int]], str] | None = None
+
+    @property
+    def eos(self) -> str:
+        if not self.eos_token_ids:
+            return "ignored both sides"
+        return f"honoured both sides: stop at {list(self.eos_token_ids)}"
+
+
+def parity_prompts(model: str, num_prompts: int, input_len: int) -> ParityPrompts:
+    """Chat prompts through the checkpoint's tokenizer for a GGUF file (EOS honoured); random
+    prompts of `input_len` tokens for a random shape (EOS ignored, as in section `hf`)."""
+    from davit_engine.loader import model_kind, read_model_config
+
+    config = read_model_config(model)
+    if model_kind(model) != "gguf":
+        gen = torch.Generator().manual_seed(5)
+        prompts = [
+            torch.randint(0, config.vocab_size, (input_len,), generator=gen).tolist()
+            for _ in range(num_prompts)
+        ]
+        return ParityPrompts(prompts, (), str(input_len))
+    if num_prompts > len(PARITY_CHAT):
+        raise ValueError(
+            f"--parity-prompts: at most {len(PARITY_CHAT)} chat prompts exist, got {num_prompts}"
+        )
+    from davit_engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(EngineConfig(model=model))
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in PARITY_CHAT[:num_prompts]
+    ]
+    lengths = [len(p) for p in prompts]
+    return ParityPrompts(
+        prompts,
+        config.eos_token_ids,
+        f"{min(lengths)}-{max(lengths)} (chat template)",
+        decode=tokenizer.decode,
+    )
+
+
+def greedy_ours(core: EngineCore, prompts: ParityPrompts, output_len: int) -> list[list[int]]:
+    """Greedy completions through the engine's own step loop (asynchronous steps where the
+    runner has them), one list of token ids per prompt, EOS included when it stopped one."""
+    params = SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=not prompts.eos_token_ids
+    )
+    reqs = [EngineRequest(f"parity-{i}", p, params) for i, p in enumerate(prompts.token_ids)]
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for req in reqs:
+        core.add_request(req)
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+    return [outputs[r.request_id] for r in reqs]
+
+
+def greedy_transformers(
+    hf: Any, prompts: ParityPrompts, output_len: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """transformers `generate()` greedy: (completions, logits [steps, vocab] per prompt).
+
+    Prompts of one length go in one batch; otherwise one at a time, so no padding ever enters
+    a row. EOS is treated as `prompts.eos_token_ids` says (no stop token and no EOS masking
+    when ignored); a completion stopped by EOS ends with it.
+    """
+    eos = list(prompts.eos_token_ids)
+    hf.generation_config.eos_token_id = eos or None
+    device = next(hf.parameters()).device
+    count = len(prompts.token_ids)
+    same_length = len({len(p) for p in prompts.token_ids}) == 1
+    groups = [list(range(count))] if same_length else [[i] for i in range(count)]
+    tokens: list[list[int]] = [[] for _ in range(count)]
+    logits: list[torch.Tensor] = [torch.empty(0) for _ in range(count)]
+    for group in groups:
+        ids = torch.tensor([prompts.token_ids[i] for i in group], device=device)
+        with torch.inference_mode():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                do_sample=False, temperature=None, top_p=None, top_k=None,
+                pad_token_id=eos[0] if eos else 0, output_logits=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        steps = torch.stack(out.logits, dim=1).float()  # [group, steps, vocab]
+        for row, i in enumerate(group):
+            seq = out.sequences[row, ids.shape[1] :].tolist()
+            end = next((j + 1 for j, t in enumerate(seq) if t in eos), len(seq))
+            tokens[i] = seq[:end]
+            logits[i] = steps[row, :end]
+        del out, steps
+    return tokens, logits
+
+
+def compare_greedy(
+    ours: list[list[int]],
+    theirs: list[list[int]],
+    their_logits: list[torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Agreement of two sets of greedy completions, prompt by prompt.
+
+    Where a completion differs, `their_logits` (the reference's logits at each step) give the
+    gap between the reference's token and ours at the first difference: a gap near zero is a
+    near-tie that rounding can flip; a large one is a real divergence.
+    """
+    count = len(ours)
+    same = first = prefix = 0
+    positions: list[list[int]] = []  # [prompt, token index] of each first difference
+    gaps: list[float] = []
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        same += a == b
+        first += bool(a) and bool(b) and a[0] == b[0]
+        shorter = min(len(a), len(b))
+        j = next((j for j in range(shorter) if a[j] != b[j]), shorter)
+        prefix += j
+        if a == b:
+            continue
+        positions.append([i, j])
+        if their_logits is not None and j < shorter:
+            row = their_logits[i][j]
+            gaps.append(float(row[b[j]] - row[a[j]]))
+    result: dict[str, Any] = {
+        "identical_completions": f"{same}/{count}",
+        "identical_first_token": f"{first}/{count}",
+        "mean_matching_prefix": round(prefix / max(count, 1), 2),
+        "mean_output_tokens": round(sum(len(a) for a in ours) / max(count, 1), 2),
+        "first_difference_at": positions,
+    }
+    if their_logits is not None:
+        result["logit_gap_at_first_difference"] = [round(g, 5) for g in sorted(gaps)]
+    return result
+
+
+def _hf_from_gguf(path: Path) -> Any:
+    """transformers' own load of a GGUF file (its dequantization, its name mapping), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf: Any = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return hf.to(DEVICE).eval()
+
+
+def parity_model(
+    model: str,
+    runners: list[tuple[str, bool, bool]],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+) -> None:
+    """fp32 greedy of `model` through each runner against transformers, and runner against
+    runner. transformers runs on our loaded weights (`_hf_from_ours`) and, for a GGUF file,
+    also on its own load of the file. One core or one transformers model is alive at a time
+    beside the model being converted."""
+    import transformers
+
+    from davit_engine.loader import model_kind
+
+    prompts = parity_prompts(model, num_prompts, input_len)
+    block = EngineConfig(model=model).block_size
+    longest = max(len(p) for p in prompts.token_ids) + output_len
+    max_model_len = -(-longest // block) * block
+    ours: dict[str, list[list[int]]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    refs: dict[str, tuple[list[list[int]], list[torch.Tensor]]] = {}
+    for runner, eager, fuse in runners:
+        label = runner_label(runner, eager, fuse)
+        core = make_core(
+            model, runner, eager, "float32", fuse=fuse, max_model_len=max_model_len,
+            max_num_seqs=num_prompts, max_num_batched_tokens=max(1024, max_model_len),
+            num_gpu_blocks=num_prompts * max_model_len // block + 1,
+        )  # fmt: skip
+        ours[label] = greedy_ours(core, prompts, output_len)
+        runs[label] = {
+            "graph_steps": getattr(core.runner, "num_graph_steps", None),
+            "async_scheduling": core.model_info.async_scheduling,
+        }
+        hf = _hf_from_ours(core) if not refs else None
+        core.shutdown()
+        del core
+        free_memory()
+        if hf is not None:
+            refs[REFERENCE_OURS] = greedy_transformers(hf, prompts, output_len)
+            del hf
+            free_memory()
+    if model_kind(model) == "gguf":
+        try:
+            hf = _hf_from_gguf(Path(model))
+        except ImportError as exc:  # transformers' GGUF reader needs the `gguf` package
+            record("parity_note", model=model, reference=REFERENCE_GGUF, skipped=str(exc)[:300])
+        else:
+            refs[REFERENCE_GGUF] = greedy_transformers(hf, prompts, output_len)
+            del hf
+            free_memory()
+    common = {
+        "model": model,
+        "dtype": "float32",
+        "prompts": num_prompts,
+        "input_len": prompts.input_len,
+        "output_len": output_len,
+        "eos": prompts.eos,
+    }
+    for label, completions in ours.items():
+        for reference, (tokens, logits) in refs.items():
+            sample = {}
+            if prompts.decode is not None:
+                sample = {"sample": prompts.decode(completions[0])[:200]}
+            record(
+                "parity_vs_transformers",
+                **common,
+                runner=label,
+                reference=reference,
+                transformers=transformers.__version__,
+                **runs[label],
+                **compare_greedy(completions, tokens, logits),
+                **sample,
+            )
+    labels = list(ours)
+    for other in labels[1:]:
+        record(
+            "parity_between_runners",
+            **common,
+            runners=f"{other} vs {labels[0]}",
+            **compare_greedy(ours[other], ours[labels[0]]),
+        )
+    if len(refs) == 2:
+        record(
+            "parity_between_references",
+            **common,
+            references=f"{REFERENCE_GGUF} vs {REFERENCE_OURS}",
+            **compare_greedy(refs[REFERENCE_GGUF][0], *refs[REFERENCE_OURS]),
+        )
+
+
+def section_parity(args: argparse.Namespace) -> None:
+    """fp32 greedy of every family (and SmolLM2's real weights when given) through runner V2
+    (CUDA graphs) and runner V1 against transformers `generate()`, and V2 against V1."""
+    models = list(args.parity_models)
+    if args.smollm2_gguf:
+        if Path(args.smollm2_gguf).is_file():
+            models.append(args.smollm2_gguf)
+        else:
+            record("parity_note", model=args.smollm2_gguf, skipped="--smollm2-gguf: no such file")
+    for model in models:
+        try:
+            parity_model(
+                model,
+                args.parity_runners,
+                args.parity_prompts,
+                args.parity_input_len,
+                args.parity_output_len,
+            )
+        except Exception as exc:  # one model's failure must not cost the other models' rows
+            record("error", failed=f"parity {model}", error=f"{type(exc).__name__}: {exc}"[:2000])
+            traceback.print_exc()
+        free_memory()
 
 
 def _throughput(
@@ -894,6 +1194,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "kernels": section_kernels,
     "v1v2": section_v1v2,
     "hf": section_hf,
+    "parity": section_parity,
     "w1": section_w1,
     "w1v1": section_w1_v1,
     "w2": section_w2,
@@ -914,6 +1215,13 @@ def _runner_list(text: str) -> list[tuple[str, bool, bool]]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sections", default="tests,kernels,v1v2,hf,w1,w2")
@@ -929,7 +1237,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
     parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")
+    parser.add_argument(
+        "--parity-models", default="random:llama-3.2-1b,random:qwen2.5-0.5b,random:qwen3-0.6b"
+    )
+    parser.add_argument("--parity-runners", default="v2-graphs,v1", help="first is the baseline")
+    parser.add_argument("--parity-prompts", type=_positive_int, default=16)
+    parser.add_argument("--parity-input-len", type=_positive_int, default=64, help="random shapes")
+    parser.add_argument("--parity-output-len", type=_positive_int, default=32)
+    parser.add_argument(
+        "--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run `parity` on it"
+    )
     args = parser.parse_args(argv)
+    args.parity_models = [m for m in args.parity_models.split(",") if m]
+    args.parity_runners = _runner_list(args.parity_runners)
     args.hf_models = [m for m in args.hf_models.split(",") if m]
     args.w1_runners = _runner_list(args.w1_runners)
     args.w2_runners = _runner_list(args.w2_runners)
