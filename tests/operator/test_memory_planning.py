@@ -79,6 +79,26 @@ def test_llama_70b_bf16_on_one_80gb_gpu_is_refused_with_numbers() -> None:
     assert e.reason == "InsufficientMemory" and e.field == "parallelism.tensor"
     assert "weights 131.4 GiB" in e.message and "71.7 GiB per GPU" in e.message
     assert "no maxModelLen fits" in e.message and "parallelism.tensor 4 would fit" in e.message
+    # The Davit engine 0.1.0 runs one GPU per replica: the advice says so and names what can.
+    assert (
+        "parallelism.tensor 4 would fit, but davit 0.1.0 supports at most parallelism.tensor 1; "
+        "serve it with engine.type: vllm and engine.version >= 0.28.0" in e.message
+    )
+    with pytest.raises(PlanError) as err:
+        plan_of(
+            model={"source": "hf://meta-llama/Llama-3.1-70B-Instruct", "revision": "main"},
+            accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+            engine={"type": "vllm", "version": "0.33.0"},
+        )
+    assert err.value.message.endswith("; parallelism.tensor 4 would fit")
+    fitting = plan_of(
+        model={"source": "hf://meta-llama/Llama-3.1-70B-Instruct", "revision": "main"},
+        accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+        engine={"type": "vllm", "version": "0.33.0"},
+        parallelism={"tensor": 4},
+        limits={"maxModelLen": 8192},
+    )
+    assert fitting.memory is not None and fitting.memory.source == "estimate"
 
 
 def test_a_shorter_max_model_len_is_offered_and_fits() -> None:
@@ -125,7 +145,6 @@ def test_identity_changes_with_what_the_numbers_depend_on() -> None:
         {"engine": {"image": "registry.example/davit@sha256:" + "1" * 64}},
         {"model": {"source": "random://llama-3.1-8b"}},
         {"accelerator": {"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"}},
-        {"parallelism": {"tensor": 2}, "accelerator": {"count": 2}},
         {"limits": {"maxModelLen": 4096}},
         {"limits": {"maxNumSeqs": 64}},
         {"limits": {"gpuMemoryUtilization": 0.8}},
@@ -137,6 +156,14 @@ def test_identity_changes_with_what_the_numbers_depend_on() -> None:
         assert h not in seen, change
         seen.add(h)
     revised = make_spec(model={"source": "hf://Qwen/Qwen3-0.6B", "revision": "a"})
+    # Tensor parallelism (not in the Davit engine 0.1.0): on vLLM.
+    vllm = {
+        "model": {"source": "hf://Qwen/Qwen3-0.6B"},
+        "engine": {"type": "vllm", "version": "0.33.0"},
+    }
+    one = identity_hash(profile_identity(plan_of(**vllm)))
+    two = identity_hash(profile_identity(plan_of(**vllm, parallelism={"tensor": 2})))
+    assert len({one, two} | seen) == len(seen) + 2
     revised_b = make_spec(model={"source": "hf://Qwen/Qwen3-0.6B", "revision": "b"})
     a = identity_hash(profile_identity(make_plan("s", "ns", revised, CATALOG)))
     b = identity_hash(profile_identity(make_plan("s", "ns", revised_b, CATALOG)))

@@ -177,6 +177,7 @@ def test_runner_selection_and_refusals(
                 "cuda129-vllm",
                 merge(H200_SPEC, {"engine": {**vllm033["engine"], "variant": "cuda12.9"}}),
             ),
+            isvc("tp2-davit", merge(H200_SPEC, {"parallelism": {"tensor": 2}})),
         ],
     )
     ready = wait_ready(kube_cluster, kube_namespace, ["plain", "logits-davit"])
@@ -199,7 +200,15 @@ def test_runner_selection_and_refusals(
     message = condition(stalled, "Stalled")["message"]
     assert "cuda12.9" in message and "last published in 0.32.0" in message
     assert condition(stalled, "ImageResolved")["status"] == "False"
-    for refused in ("logits-vllm", "cuda129-vllm"):
+
+    # The Davit engine 0.1.0 runs one GPU per replica: refused before any pod, vLLM offered.
+    stalled = wait_condition(kube_cluster, kube_namespace, "tp2-davit", "Stalled", "True")
+    refusal = condition(stalled, "Stalled")
+    assert refusal["reason"] == "UnsupportedByEngine"
+    assert "davit 0.1.0 does not support parallelism.tensor 2 (at most 1)" in refusal["message"]
+    assert "engine.type: vllm and engine.version >= 0.28.0" in refusal["message"]
+    assert condition(stalled, "Ready")["status"] == "False"
+    for refused in ("logits-vllm", "cuda129-vllm", "tp2-davit"):
         missing = kube_cluster.kubectl(
             "get", "deployment", refused, "-n", kube_namespace, check=False
         )
@@ -209,6 +218,7 @@ def test_runner_selection_and_refusals(
     warnings = {e["involvedObject"]["name"]: e["reason"] for e in events if e["type"] == "Warning"}
     assert warnings.get("logits-vllm") == "NoRunnerSupports"
     assert warnings.get("cuda129-vllm") == "VariantNotPublished"
+    assert warnings.get("tp2-davit") == "UnsupportedByEngine"
 
     # Fixing the spec recovers without restarting anything.
     apply_yaml(kube_cluster, kube_namespace, [isvc("cuda129-vllm", merge(H200_SPEC, vllm033))])
@@ -378,7 +388,19 @@ def test_more_gpus_than_any_node_explains_itself(
     apply_yaml(
         kube_cluster,
         kube_namespace,
-        [isvc("huge", merge(H200_SPEC, {"parallelism": {"tensor": 16}}))],
+        # vLLM: the Davit engine 0.1.0 refuses tensor parallelism before placement.
+        [
+            isvc(
+                "huge",
+                merge(
+                    H200_SPEC,
+                    {
+                        "engine": {"type": "vllm", "version": "0.33.0"},
+                        "parallelism": {"tensor": 16},
+                    },
+                ),
+            )
+        ],
     )
     obj = wait_condition(kube_cluster, kube_namespace, "huge", "Stalled", "True")
     stalled = condition(obj, "Stalled")

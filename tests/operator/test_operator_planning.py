@@ -21,6 +21,10 @@ NODES = [
 ]
 
 
+VLLM_031 = {"type": "vllm", "version": "0.31.0"}
+VLLM_033 = {"type": "vllm", "version": "0.33.0"}
+
+
 def plan(spec: InferenceServiceSpec, catalog: Catalog = CATALOG) -> Plan:
     return make_plan("svc", "ns", spec, catalog, NODES)
 
@@ -84,7 +88,7 @@ def test_custom_logits_processor_on_vllm_031_uses_deprecated_v1() -> None:
     ],
 )
 def test_v1_only_parallel_features(field: str, value: dict[str, object]) -> None:
-    p = plan(make_spec(**{field: value, "accelerator": {"vendor": "nvidia"}}))
+    p = plan(make_spec(**{field: value, "engine": VLLM_031, "accelerator": {"vendor": "nvidia"}}))
     assert p.runner.name == "v1" and "not supported by runner V2" in p.runner.reason
 
 
@@ -177,13 +181,15 @@ def test_davit_on_cpu_and_rocm_uses_v1() -> None:
 
 
 def test_speculative_method_without_runner_is_refused() -> None:
-    err = refusal(make_spec(features={"speculative": {"method": "eagle"}}))
+    err = refusal(make_spec(engine=VLLM_033, features={"speculative": {"method": "medusa"}}))
     assert err.reason == "NoRunnerSupports" and err.field == "features.speculative.method"
+    assert "pin engine.version <= 0.31.0" in err.message
 
 
 def test_ngram_speculative_arguments() -> None:
     p = plan(
         make_spec(
+            engine=VLLM_033,
             features={
                 "speculative": {
                     "method": "ngram",
@@ -191,7 +197,7 @@ def test_ngram_speculative_arguments() -> None:
                     "promptLookupMax": 5,
                     "promptLookupMin": 2,
                 }
-            }
+            },
         )
     )
     args = p.invocation.args
@@ -209,6 +215,7 @@ def test_engine_arguments_follow_the_spec() -> None:
     p = plan(
         make_spec(
             model={"servedName": "chat"},
+            engine={**VLLM_033, "extraArgs": ["--enforce-eager"]},
             parallelism={"tensor": 4, "pipeline": 2},
             limits={
                 "maxModelLen": 8192,
@@ -217,7 +224,6 @@ def test_engine_arguments_follow_the_spec() -> None:
                 "gpuMemoryUtilization": 0.85,
             },
             features={"prefixCaching": False},
-            engine={"extraArgs": ["--enforce-eager"]},
             pod={"env": [{"name": "HF_HOME", "value": "/data/hf"}, {"name": "X", "value": "1"}]},
         )
     )
@@ -292,7 +298,7 @@ def test_placement_per_vendor() -> None:
 
 
 def test_more_gpus_than_any_node_is_explained() -> None:
-    p = plan(make_spec(parallelism={"tensor": 16}))
+    p = plan(make_spec(engine=VLLM_033, parallelism={"tensor": 16}))
     assert p.fit.fits is False
     assert "needs 16 nvidia.com/gpu" in p.fit.message
     assert "largest matching node offers 8 (gpu-h200-0)" in p.fit.message

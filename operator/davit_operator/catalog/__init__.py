@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from davit_operator.api.spec import SpeculativeMethod
+
 RunnerName = Literal["v1", "v2"]
 VariantName = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
 FeatureName = Literal[
@@ -99,6 +101,19 @@ class RunnerInfo(_Data):
     unsupported_models_by_variant: dict[VariantName, list[str]]
 
 
+class Capabilities(_Data):
+    """What an engine release itself serves, whichever runner runs it (the runner matrix is
+    `RunnerInfo`). An unset size limit or speculative method list means the catalog records no
+    limit; the default is a release with no limits recorded."""
+
+    max_tensor_parallel: int | None = Field(default=None, ge=1)
+    max_pipeline_parallel: int | None = Field(default=None, ge=1)
+    max_data_parallel: int | None = Field(default=None, ge=1)
+    expert_parallel: bool = True
+    unsupported_features: list[FeatureName] = Field(default_factory=list)
+    speculative_methods: list[SpeculativeMethod] | None = None
+
+
 class Health(_Data):
     liveness: str
     readiness: str
@@ -113,6 +128,7 @@ class Release(_Data):
     default_runner: RunnerName
     deprecated_runners: list[RunnerName]
     images: dict[VariantName, ImageEntry]
+    capabilities: Capabilities = Field(default_factory=Capabilities)
 
     @model_validator(mode="after")
     def _consistent(self) -> Release:

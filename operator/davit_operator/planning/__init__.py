@@ -13,6 +13,7 @@ from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog import Catalog, Health
 from davit_operator.planning.args import ENGINE_PORT, EngineInvocation, engine_invocation
 from davit_operator.planning.args import served_name as _served_name
+from davit_operator.planning.capabilities import check_capabilities, tensor_limit
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.image import ResolvedImage, resolve_image
 from davit_operator.planning.memory import (
@@ -78,15 +79,19 @@ def make_plan(
 ) -> Plan:
     """Turn a spec into a plan; `nodes` (when known) feed the pre-flight fit check, `shapes`
     (default: the packaged catalog) the memory check, which raises PlanError when the model
-    cannot fit on the accelerator."""
+    cannot fit on the accelerator. A spec asking for more than the engine release implements
+    (catalog `capabilities`) is refused before the runner is chosen."""
     image = resolve_image(spec, catalog)
+    check_capabilities(spec, catalog)
     runner = select_runner(spec, catalog, image.variant)
     engine = catalog.engines.engines[spec.engine.type]
     release = engine.release(image.engine_version)
     assert release is not None
     invocation = engine_invocation(spec, engine, runner, len(release.runners))
     placement = plan_placement(spec, catalog)
-    estimate = preflight(spec, shapes or default_shapes(), spec.accelerator.product)
+    estimate = preflight(
+        spec, shapes or default_shapes(), spec.accelerator.product, tensor_limit(spec, catalog)
+    )
     plan = Plan(
         name=name,
         namespace=namespace,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -279,11 +280,15 @@ def _gib(n: int) -> str:
 
 
 def preflight(
-    spec: InferenceServiceSpec, catalog: ShapeCatalog, product: str | None
+    spec: InferenceServiceSpec,
+    catalog: ShapeCatalog,
+    product: str | None,
+    tensor_limit: Callable[[int], str | None] = lambda _: None,
 ) -> MemoryEstimate | None:
     """The estimate for one full-length sequence per tensor-parallel group; None when the shape
     or the device memory is unknown. Raises PlanError (InsufficientMemory) when it cannot fit,
-    with the numbers and the largest maxModelLen that would."""
+    with the numbers and the largest maxModelLen that would, or the tensor-parallel size that
+    would; `tensor_limit(size)` says why the engine release cannot run that size (None: it can)."""
     shape = shape_for(spec, catalog)
     device = catalog.device_bytes(product)
     if shape is None or device is None:
@@ -313,6 +318,9 @@ def preflight(
         advice = "no maxModelLen fits: the weights alone do not"
         if fitting:
             advice += f"; parallelism.tensor {fitting[0]} would fit"
+            beyond = tensor_limit(fitting[0])
+            if beyond is not None:
+                advice += f", but {beyond}"
         field = "parallelism.tensor"
     raise PlanError(
         field=field,

@@ -1,0 +1,330 @@
+"""Planning refuses what the engine release itself does not implement (catalog `capabilities`).
+
+The Davit engine 0.1.0 stops at startup on multi-GPU layouts, expert parallelism and speculative
+decoding; planning must refuse those specs before any pod exists, name the field and point at the
+catalog releases that would serve them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from isvc_helpers import make_spec
+
+from davit_engine.engine_flags import (
+    SPECULATIVE_METHODS,
+    check_parallelism,
+    check_speculative_config,
+)
+from davit_engine.types import ParamError
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.catalog import Catalog, CatalogError, load_catalog
+from davit_operator.planning import Plan, PlanError, make_plan
+from davit_operator.status import compute_status
+
+CATALOG = load_catalog()
+PACKAGED = Path(load_catalog.__code__.co_filename).parent
+DAVIT_0_1 = CATALOG.engines.engines["davit"].release("0.1.0")
+VLLM_ANY = "or serve it with engine.type: vllm and engine.version >= 0.28.0"
+# Sequence parallelism, dual-batch overlap and elastic expert parallelism need runner V1 on vLLM,
+# which 0.32.0 removed.
+VLLM_V1 = "or serve it with engine.type: vllm and engine.version 0.28.0 to 0.31.0"
+
+
+def plan(spec: InferenceServiceSpec, catalog: Catalog = CATALOG) -> Plan:
+    return make_plan("svc", "ns", spec, catalog)
+
+
+def refusal(spec: InferenceServiceSpec, catalog: Catalog = CATALOG) -> PlanError:
+    with pytest.raises(PlanError) as err:
+        plan(spec, catalog)
+    return err.value
+
+
+def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
+    """The packaged catalog after `edit(data)` on engines.yaml."""
+    data = yaml.safe_load((PACKAGED / "engines.yaml").read_text())
+    edit(data)
+    (tmp_path / "engines.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "accelerators.yaml").write_text((PACKAGED / "accelerators.yaml").read_text())
+    return load_catalog(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "value", "says"),
+    [
+        (
+            {"parallelism": {"tensor": 2}},
+            "parallelism.tensor",
+            2,
+            [
+                "davit 0.1.0 does not support parallelism.tensor 2 (at most 1)",
+                "set parallelism.tensor to 1 and scale out with replicas",
+                VLLM_ANY,
+            ],
+        ),
+        (
+            {"parallelism": {"pipeline": 2}},
+            "parallelism.pipeline",
+            2,
+            ["parallelism.pipeline 2 (at most 1)", "set parallelism.pipeline to 1", VLLM_ANY],
+        ),
+        (
+            {"parallelism": {"data": 4}},
+            "parallelism.data",
+            4,
+            ["parallelism.data 4 (at most 1)", "set parallelism.data to 1", VLLM_ANY],
+        ),
+        (
+            {"parallelism": {"expert": {"enabled": True}}},
+            "parallelism.expert.enabled",
+            True,
+            [
+                "parallelism.expert.enabled (no expert parallelism)",
+                "remove parallelism.expert",
+                VLLM_ANY,
+            ],
+        ),
+        (
+            {"parallelism": {"expert": {"enabled": True, "elastic": True}}},
+            "parallelism.expert.enabled",
+            True,
+            ["parallelism.expert.elastic", "remove parallelism.expert.elastic", VLLM_V1],
+        ),
+        (
+            {"parallelism": {"expert": {"enabled": True}, "dualBatchOverlap": True}},
+            "parallelism.expert.enabled",
+            True,
+            ["parallelism.dualBatchOverlap", "remove parallelism.dualBatchOverlap", VLLM_V1],
+        ),
+        (
+            {"parallelism": {"tensor": 2, "sequenceParallelism": True}},
+            "parallelism.tensor",
+            2,
+            ["parallelism.sequenceParallelism", VLLM_V1],
+        ),
+        (
+            {
+                "features": {
+                    "speculative": {
+                        "method": "ngram",
+                        "numSpeculativeTokens": 4,
+                        "promptLookupMax": 5,
+                        "promptLookupMin": 2,
+                    }
+                }
+            },
+            "features.speculative.method",
+            "ngram",
+            [
+                "features.speculative.method ngram (speculative methods: none)",
+                "remove features.speculative",
+                VLLM_ANY,
+            ],
+        ),
+        (
+            {
+                "features": {
+                    "speculative": {"method": "draft_model", "draftModel": "Qwen/Qwen3-0.6B"}
+                }
+            },
+            "features.speculative.method",
+            "draft_model",
+            ["features.speculative.method draft_model", VLLM_ANY],
+        ),
+        (
+            # medusa needs runner V1 on vLLM: only the releases that still have it serve it.
+            {"features": {"speculative": {"method": "medusa"}}},
+            "features.speculative.method",
+            "medusa",
+            ["features.speculative.method medusa", VLLM_V1],
+        ),
+    ],
+)
+def test_davit_refuses_what_the_engine_does_not_implement(
+    overrides: dict[str, Any], field: str, value: object, says: list[str]
+) -> None:
+    err = refusal(make_spec(**overrides))
+    assert (err.field, err.value, err.reason, err.condition) == (
+        field,
+        value,
+        "UnsupportedByEngine",
+        "",
+    )
+    for text in says:
+        assert text in err.message, (text, err.message)
+
+
+def test_refusal_is_not_a_runner_choice() -> None:
+    """A forced runner does not get around the engine's own limits (the engine refuses the flag
+    under both runners)."""
+    for runner in ("v1", "v2"):
+        err = refusal(make_spec(engine={"runner": runner}, parallelism={"tensor": 2}))
+        assert err.reason == "UnsupportedByEngine" and err.field == "parallelism.tensor"
+
+
+def test_every_shortfall_is_named_once() -> None:
+    err = refusal(
+        make_spec(
+            parallelism={"tensor": 2, "pipeline": 2},
+            features={"speculative": {"method": "ngram"}},
+        )
+    )
+    assert err.field == "parallelism.tensor"
+    assert err.message.startswith(
+        "davit 0.1.0 does not support parallelism.tensor 2 (at most 1), parallelism.pipeline 2 "
+        "(at most 1), features.speculative.method ngram (speculative methods: none); "
+    )
+    assert err.message.count("set parallelism.tensor to 1") == 1
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"parallelism": {"tensor": 1, "pipeline": 1, "data": 1}, "accelerator": {"count": 1}},
+        {"features": {"customLogitsProcessors": ["my.pkg:Bias"]}},
+        {"accelerator": {"vendor": "cpu", "product": None}, "parallelism": {"data": 1}},
+        {"replicas": 4, "features": {"prefixCaching": False}},
+    ],
+)
+def test_davit_specs_within_its_capabilities_plan(overrides: dict[str, Any]) -> None:
+    p = plan(make_spec(**overrides))
+    assert p.image.engine_type == "davit"
+    args = p.invocation.args
+    for flag in (
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--data-parallel-size",
+        "--enable-expert-parallel",
+        "--speculative-config",
+    ):
+        assert flag not in args
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallelism": {"tensor": 2}},
+        {"parallelism": {"tensor": 2, "pipeline": 2, "data": 2}},
+        {"parallelism": {"expert": {"enabled": True}}},
+        {"features": {"speculative": {"method": "ngram"}}},
+    ],
+)
+def test_vllm_keeps_serving_them(overrides: dict[str, Any]) -> None:
+    p = plan(make_spec(engine={"type": "vllm", "version": "0.33.0"}, **overrides))
+    assert p.runner.name == "v2"
+
+
+def test_refusal_stalls_the_inference_service() -> None:
+    err = refusal(make_spec(parallelism={"tensor": 2}))
+    status = compute_status(
+        plan=None, error=err, deployment=None, old_status={}, generation=3, now="t"
+    )
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Stalled"]["status"] == "True"
+    assert conds["Stalled"]["reason"] == "UnsupportedByEngine"
+    assert "parallelism.tensor 2" in conds["Stalled"]["message"]
+    assert conds["Ready"]["status"] == "False"
+    assert conds["Reconciling"]["status"] == "False"
+
+
+def test_capabilities_are_catalog_data(tmp_path: Path) -> None:
+    def allow_two(data: dict[str, Any]) -> None:
+        data["engines"]["davit"]["releases"][0]["capabilities"]["maxTensorParallel"] = 2
+        data["engines"]["davit"]["releases"][0]["capabilities"]["speculativeMethods"] = ["ngram"]
+
+    catalog = catalog_with(tmp_path, allow_two)
+    p = plan(make_spec(parallelism={"tensor": 2}), catalog)
+    assert p.placement.accelerator_count == 2
+    args = p.invocation.args
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    err = refusal(make_spec(parallelism={"tensor": 4}), catalog)
+    assert "parallelism.tensor 4 (at most 2)" in err.message
+    assert "set parallelism.tensor to at most 2" in err.message
+    assert (
+        plan(make_spec(features={"speculative": {"method": "ngram"}}), catalog).runner.name == "v2"
+    )
+    err = refusal(make_spec(features={"speculative": {"method": "eagle"}}), catalog)
+    assert "(speculative methods: ngram)" in err.message
+    assert "use features.speculative.method ngram or remove features.speculative" in err.message
+
+
+def test_a_newer_release_of_the_same_engine_is_offered_first(tmp_path: Path) -> None:
+    def add_release(data: dict[str, Any]) -> None:
+        releases = data["engines"]["davit"]["releases"]
+        newer = {**releases[0], "version": "0.2.0", "tag": "0.2.0", "title": "0.2.0"}
+        newer["capabilities"] = {"maxTensorParallel": 8, "expertParallel": False}
+        newer["images"] = {
+            variant: {**entry, "tag": entry["tag"].replace("0.1.0", "0.2.0")}
+            if entry.get("tag")
+            else entry
+            for variant, entry in releases[0]["images"].items()
+        }
+        releases.append(newer)
+
+    catalog = catalog_with(tmp_path, add_release)
+    err = refusal(make_spec(parallelism={"tensor": 2}), catalog)
+    assert "or serve it with engine.version >= 0.2.0 or engine.type: vllm" in err.message
+    # 0.2.0 still records no expert parallelism: only vLLM is offered for it.
+    err = refusal(make_spec(parallelism={"expert": {"enabled": True}}), catalog)
+    assert "or serve it with engine.type: vllm and engine.version >= 0.28.0" in err.message
+    assert "0.2.0" not in err.message
+    assert plan(
+        make_spec(engine={"version": "0.2.0"}, parallelism={"tensor": 2}), catalog
+    ).image.tag == ("0.2.0-cuda13.0")
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "complaint"),
+    [
+        ({"maxTensorParallel": 0}, "maxTensorParallel"),
+        ({"speculativeMethods": ["lookahead"]}, "speculativeMethods"),
+        ({"unsupportedFeatures": ["warpSpeed"]}, "unsupportedFeatures"),
+        ({"pipelineParallel": 2}, "pipelineParallel"),
+    ],
+)
+def test_malformed_capabilities_stop_the_catalog(
+    tmp_path: Path, capabilities: dict[str, Any], complaint: str
+) -> None:
+    def edit(data: dict[str, Any]) -> None:
+        data["engines"]["davit"]["releases"][0]["capabilities"] = capabilities
+
+    with pytest.raises(CatalogError) as err:
+        catalog_with(tmp_path, edit)
+    assert "engines.yaml" in str(err.value) and complaint in str(err.value)
+
+
+def test_the_davit_catalog_entry_matches_the_engine_refusals() -> None:
+    """The catalog's davit 0.1.0 capabilities are exactly what the engine's startup checks
+    accept: one size above each limit, expert parallelism and every speculative method are
+    refused by the engine, and the limits themselves are accepted."""
+    assert DAVIT_0_1 is not None
+    caps = DAVIT_0_1.capabilities
+    limits = (caps.max_tensor_parallel, caps.max_pipeline_parallel, caps.max_data_parallel)
+    assert None not in limits
+    check_parallelism(*limits)  # type: ignore[arg-type]
+    for i, flag in enumerate(
+        ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size")
+    ):
+        sizes = [*limits]
+        sizes[i] += 1  # type: ignore[operator]
+        with pytest.raises(ParamError) as err:
+            check_parallelism(*sizes)  # type: ignore[arg-type]
+        assert err.value.param == flag
+    assert not caps.expert_parallel
+    with pytest.raises(ParamError):
+        check_parallelism(1, 1, 1, expert=True)
+    assert caps.speculative_methods == []
+    for method in SPECULATIVE_METHODS:
+        config = (
+            f'{{"method": "{method}", "num_speculative_tokens": 2'
+            + (', "model": "Qwen/Qwen3-0.6B"' if method == "draft_model" else "")
+            + "}"
+        )
+        with pytest.raises(ParamError) as err:
+            check_speculative_config(config)
+        assert f"method {method}" in str(err.value)
