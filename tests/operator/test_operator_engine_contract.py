@@ -13,7 +13,9 @@ from isvc_helpers import make_spec
 
 from davit_engine.server.cli import build_parser, parse_args
 from davit_operator.catalog import load_catalog
-from davit_operator.planning import make_plan
+from davit_operator.planning import PlanError, make_plan
+from davit_operator.planning.args import engine_invocation
+from davit_operator.planning.runner import SelectedRunner
 
 CATALOG = load_catalog()
 
@@ -112,8 +114,18 @@ def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    plan = make_plan("svc", "ns", make_spec(**overrides), CATALOG)
-    args = plan.invocation.args
+    spec = make_spec(**overrides)
+    if refused_flag is not None:
+        # The operator refuses these before any pod (catalog capabilities); the flags it would
+        # emit must still be ones the engine knows and refuses by name.
+        with pytest.raises(PlanError) as refused:
+            make_plan("svc", "ns", spec, CATALOG)
+        assert refused.value.reason == "UnsupportedByEngine"
+        engine = CATALOG.engines.engines["davit"]
+        args = engine_invocation(spec, engine, SelectedRunner("v2", "", False), 2).args
+    else:
+        plan = make_plan("svc", "ns", spec, CATALOG)
+        args = plan.invocation.args
     build_parser().parse_args(args)  # argparse exits 2 on any flag it does not know
     if refused_flag is None:
         config, settings, _ = parse_args(args)

@@ -93,7 +93,13 @@ def test_impossible_spec_is_explained() -> None:
             {"cpu": "200", "memory": "2000Gi", "nvidia.com/gpu": "8"},
         )
     ]
-    plan = make_plan("svc", "ns", make_spec(parallelism={"tensor": 16}), CATALOG, nodes)
+    plan = make_plan(
+        "svc",
+        "ns",
+        make_spec(parallelism={"tensor": 16}, engine={"type": "vllm", "version": "0.33.0"}),
+        CATALOG,
+        nodes,
+    )
     status = compute_status(
         plan=plan, error=None, deployment=_deployment(0), old_status={}, generation=1, now=T0
     )
