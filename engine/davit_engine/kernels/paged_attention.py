@@ -193,7 +193,7 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
 # Decode key tile when the key range is split (short splits, latency-bound) and otherwise.
 _SPLIT_DECODE_BLOCK_N = 32
 _DECODE_BLOCK_N = 64
-MAX_SPLITS = 64
+MAX_SPLITS = 16
 
 
 def default_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int) -> int:

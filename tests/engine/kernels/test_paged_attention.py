@@ -84,8 +84,8 @@ def test_padding_rows_without_blocks_give_zeros(device: torch.device) -> None:
 
 
 def test_default_num_splits() -> None:
-    assert default_num_splits(1, 8, 1280) == 40  # one split per 32-key tile
-    assert default_num_splits(1, 8, 100_000) == 64  # capped
+    assert default_num_splits(1, 8, 1280) == 16  # capped
+    assert default_num_splits(1, 8, 300) == 10  # one split per 32-key tile
     assert default_num_splits(1, 8, 5) == 1
     assert default_num_splits(16, 8, 100_000) == 5  # 128 programs -> ~4 per multiprocessor
     assert default_num_splits(256, 8, 4096) == 1

@@ -1,15 +1,14 @@
-"""Route the model's layers to the fused Triton kernels (kernels/layer_ops.py, kernels/gemv.py).
+"""Route the model's layers to the fused Triton kernels (kernels/layer_ops.py).
 
 Runner V2 owns its model instance, so it swaps the forward of each RMSNorm, attention block,
-MLP, linear layer and of the model itself for one that runs fused kernels, the way a custom-op
+MLP and of the model itself for one that runs fused kernels, the way a custom-op
 registry picks a backend implementation. Weights and the module tree stay as they are; the swap
 is per instance. Per decoder layer at decode batch sizes:
 
 - the residual add after attention and after the MLP each run in one kernel with the RMSNorm
   that follows (the next layer's input norm, or the final norm);
 - q/k norm + rotary write the rotated keys and the values straight into the paged KV cache
-  when the attention backend is the Triton one (no separate cache-write kernel);
-- linear layers at a few rows use the skinny-GEMM kernel where `GemvPlan` measured it faster.
+  when the attention backend is the Triton one (no separate cache-write kernel).
 
 An attention forward whose signature this module does not know is left alone (and counted
 out), so a change to the model composition degrades speed, never correctness.
@@ -22,11 +21,9 @@ import logging
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from davit_engine.kernels.attention_backend import TritonPagedAttention
-from davit_engine.kernels.gemv import GemvPlan, gemv
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.layers.norm import RMSNorm
@@ -117,16 +114,6 @@ def _fused_attention(module: LlamaAttention) -> Any | None:
     return None
 
 
-def _skinny_linear(module: nn.Linear, plan: GemvPlan) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        config = plan.choose(x, module.weight)
-        if config is None:
-            return F.linear(x, module.weight, module.bias)
-        return gemv(x, module.weight, module.bias, config)
-
-    return forward
-
-
 def _fused_model(model: LlamaForCausalLM) -> Any:
     """The model's forward with every residual add fused into the RMSNorm after it."""
     layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
@@ -170,18 +157,8 @@ def _fusable_model(model: nn.Module) -> bool:
     return params[:1] == ["rope"]
 
 
-def install_fused_layers(model: nn.Module, gemv_plan: GemvPlan | None = None) -> int:
-    """Swap in the fused kernels on every matching submodule; returns how many were swapped.
-
-    Without `gemv_plan`, one is built from the environment (`DAVIT_TRITON_GEMV`) and, on CUDA,
-    measured on the model's own weights.
-    """
-    if gemv_plan is None:
-        gemv_plan = GemvPlan.from_env()
-        linear_weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-        if linear_weights and linear_weights[0].is_cuda:
-            with torch.inference_mode():
-                gemv_plan.tune(linear_weights)
+def install_fused_layers(model: nn.Module) -> int:
+    """Swap in the fused kernels on every matching submodule; returns how many were swapped."""
     swapped = 0
     skipped = 0
     for module in model.modules():
@@ -192,8 +169,6 @@ def install_fused_layers(model: nn.Module, gemv_plan: GemvPlan | None = None) ->
             forward = _fused_attention(module)
         elif isinstance(module, LlamaMLP):
             forward = _fused_mlp(module)
-        elif isinstance(module, nn.Linear):
-            forward = _skinny_linear(module, gemv_plan)
         elif isinstance(module, LlamaForCausalLM):
             forward = _fused_model(module) if _fusable_model(module) else None
         else:
@@ -205,5 +180,4 @@ def install_fused_layers(model: nn.Module, gemv_plan: GemvPlan | None = None) ->
         swapped += 1
     if skipped:
         logger.warning("fused layers: %d modules of unknown composition left as they are", skipped)
-    setattr(model, "gemv_plan", gemv_plan)  # noqa: B010 - read by benchmarks and the log
     return swapped
