@@ -1,9 +1,11 @@
 """The API process's handle on the engine-core process.
 
 `AsyncEngineClient` spawns the core process, waits for it to report `Ready`, and routes what it
-sends back: admission answers to the handler awaiting them, deltas to per-request asyncio queues,
-stats replies to their callers. A reader thread blocks on the pipe (and on the process sentinel)
-so the event loop never does; it hands every message to the loop with `call_soon_threadsafe`.
+sends back: admission answers to the handler awaiting them, deltas to per-request streams,
+stats replies to their callers. The event loop watches the pipe (and the process sentinel)
+itself and reads it without blocking (`framing.MessageReader`): every message that arrived is
+dispatched in one callback, with no thread and no hand-off per message. A stream collects the
+deltas that arrive and wakes its reader once; the reader takes all of them in one `take()`.
 
 If the core process dies, every waiting handler gets `EngineDeadError` instead of hanging.
 """
@@ -15,14 +17,13 @@ import itertools
 import logging
 import multiprocessing
 import os
-import threading
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY, run_engine_core
+from davit_engine.ipc.framing import MessageReader
 from davit_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -37,7 +38,8 @@ from davit_engine.ipc.messages import (
     Shutdown,
     StatsReply,
 )
-from davit_engine.types import EngineRequest, EngineStats, RequestDelta
+from davit_engine.ipc.request_stream import RequestStream
+from davit_engine.types import EngineRequest, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,30 +56,6 @@ class AdmissionError(Exception):
         self.rejection = rejection
 
 
-@dataclass
-class RequestStream:
-    """Deltas for one admitted request, in order; an `EngineDeadError` item ends it early."""
-
-    request_id: str
-    queue: asyncio.Queue[RequestDelta | EngineDeadError]
-
-    async def next(self) -> RequestDelta:
-        item = await self.queue.get()
-        if isinstance(item, EngineDeadError):
-            raise item
-        return item
-
-    def next_nowait(self) -> RequestDelta | None:
-        """The next delta if one is already queued, else None (never waits)."""
-        try:
-            item = self.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-        if isinstance(item, EngineDeadError):
-            raise item
-        return item
-
-
 class AsyncEngineClient:
     """Start, talk to and stop one engine-core process. All methods run on one event loop."""
 
@@ -91,7 +69,9 @@ class AsyncEngineClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._inputs: Any = None  # multiprocessing.Queue[InputMessage]
         self._outputs: Connection | None = None
-        self._reader: threading.Thread | None = None
+        self._reader: MessageReader | None = None
+        self._watched: list[int] = []  # file descriptors the loop watches for us
+        self._exit_task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._streams: dict[str, RequestStream] = {}
@@ -119,12 +99,14 @@ class AsyncEngineClient:
             daemon=True,
         )
         self._process.start()
-        # The child holds the only write end now; closing ours lets recv() see EOF on its death.
+        # The child holds the only write end now; closing ours lets a read see EOF on its death.
         writer_end.close()
-        self._reader = threading.Thread(
-            target=self._read_outputs, name="davit-engine-core-reader", daemon=True
-        )
-        self._reader.start()
+        self._reader = MessageReader(reader_end.fileno())
+        self._loop.add_reader(self._reader.fd, self._on_readable)
+        # A process the core started may hold the pipe open after the core died: the sentinel
+        # tells its death regardless.
+        self._loop.add_reader(self._process.sentinel, self._on_exit)
+        self._watched = [self._reader.fd, self._process.sentinel]
         await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
 
     @property
@@ -150,8 +132,12 @@ class AsyncEngineClient:
                 logger.warning("engine core did not exit in %.0f s; killing it", timeout_s)
                 process.kill()
                 await asyncio.to_thread(process.join, 5.0)
-        if self._reader is not None:
-            await asyncio.to_thread(self._reader.join, 5.0)
+        self._on_exit()
+        if self._exit_task is not None:
+            await asyncio.gather(self._exit_task, return_exceptions=True)
+        if self._outputs is not None:
+            self._outputs.close()
+            self._outputs = None
         if self._inputs is not None:
             self._inputs.close()
             self._inputs.cancel_join_thread()
@@ -172,7 +158,7 @@ class AsyncEngineClient:
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        stream = RequestStream(request_id, asyncio.Queue())
+        stream = RequestStream(request_id)
         admitted: asyncio.Future[None] = loop.create_future()
         self._streams[request_id] = stream
         self._admissions[request_id] = admitted
@@ -225,46 +211,52 @@ class AsyncEngineClient:
         # multiprocessing.Queue.put hands the message to a feeder thread: it never blocks here.
         self._inputs.put(message)
 
-    def _read_outputs(self) -> None:
-        """Reader thread: forward every message to the loop; report the process's death."""
-        assert self._outputs is not None and self._process is not None and self._loop is not None
-        conn, sentinel, loop = self._outputs, self._process.sentinel, self._loop
-        reason = "engine core process exited"
-        while True:
-            ready = wait([conn, sentinel])
-            if conn not in ready:
-                break  # the process died and its pipe holds nothing more
-            try:
-                message: OutputMessage = conn.recv()
-            except (EOFError, OSError):
-                break
-            if isinstance(message, CoreFailed):
-                reason = message.message
-            try:
-                loop.call_soon_threadsafe(self._dispatch, message)
-            except RuntimeError:
-                return  # the loop is closed: the API process is exiting
-        exitcode = self._process.exitcode
-        if exitcode is None:
-            self._process.join(1.0)
-            exitcode = self._process.exitcode
-        full_reason = f"{reason} (exit code {exitcode})"
-        try:
-            loop.call_soon_threadsafe(self._mark_dead, full_reason)
-        except RuntimeError:
+    def _on_readable(self) -> None:
+        """The pipe has bytes (or hit EOF): dispatch every message they complete."""
+        if self._reader is None:
             return
+        messages, eof = self._reader.read()
+        for message in messages:
+            self._dispatch(message)
+        if eof:
+            self._on_exit()
+
+    def _on_exit(self) -> None:
+        """The core process exited or closed the pipe: take what it sent, then fail the rest."""
+        if not self._watched:
+            return
+        loop = self._require_loop()
+        for fd in self._watched:
+            loop.remove_reader(fd)
+        self._watched = []
+        if self._reader is not None:
+            for message in self._reader.read()[0]:
+                self._dispatch(message)
+            self._reader = None
+        self._exit_task = loop.create_task(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        process = self._process
+        assert process is not None
+        if process.exitcode is None:
+            await asyncio.to_thread(process.join, 1.0)
+        if self._stopping:
+            self._mark_dead("engine core was shut down")
+        else:
+            self._mark_dead(f"engine core process exited (exit code {process.exitcode})")
 
     def _dispatch(self, message: OutputMessage) -> None:
         if isinstance(message, Deltas):
             if message.stats is not None:
                 self.latest_stats = message.stats
+            streams = self._streams
             for delta in message.deltas:
-                stream = self._streams.get(delta.request_id)
+                stream = streams.get(delta.request_id)
                 if stream is None:
                     continue  # aborted meanwhile; the core drops it too
-                stream.queue.put_nowait(delta)
-                if delta.finished:
-                    del self._streams[delta.request_id]
+                stream.put(delta)
+                if delta.finish_reason is not None:
+                    del streams[delta.request_id]
         elif isinstance(message, Admitted):
             future = self._admissions.pop(message.request_id, None)
             if future is not None and not future.done():
@@ -305,6 +297,6 @@ class AsyncEngineClient:
             if not waiter.done():
                 waiter.set_exception(error)
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.fail(error)
         self._admissions.clear()
         self._streams.clear()

@@ -1,15 +1,18 @@
 """The engine-core process: owns the EngineCore and runs its busy loop.
 
 Loop contract: while any request is unfinished, drain the input queue without blocking and run
-one `step()`; when idle, block on the input queue. Admission answers (`Admitted`/`Rejected`) are
-sent before the next step so a waiting HTTP handler learns its fate within one step. A failure
-inside `step()` is unrecoverable: the process sends `CoreFailed` and exits with status 1, and the
-client fails every waiting request instead of letting it hang.
+one `step()`; when idle, block on the input queue. Each step's output goes out as one `Deltas`
+message for all requests. Admission answers (`Admitted`/`Rejected`) are sent before the next
+step so a waiting HTTP handler learns its fate within one step. A failure inside `step()` is
+unrecoverable: the process sends `CoreFailed` and exits with status 1, and the client fails
+every waiting request instead of letting it hang.
+
+Messages leave through an `OutputSender` (see output_sender.py): a slow reader never stalls
+the loop, and so the device, on a full pipe; steps that queue up meanwhile go out as one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import importlib
@@ -24,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from davit_engine.config import EngineConfig
+from davit_engine.ipc.framing import write_message
 from davit_engine.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -38,6 +42,7 @@ from davit_engine.ipc.messages import (
     Shutdown,
     StatsReply,
 )
+from davit_engine.ipc.output_sender import OutputSender
 from davit_engine.types import EngineRequest, EngineStats, ParamError, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -116,7 +121,7 @@ class CoreLoop:
         self,
         core: EngineCoreLike,
         inputs: Any,  # multiprocessing.Queue[InputMessage]; its generic type is not runtime-safe
-        outputs: Connection,
+        outputs: OutputSender,
         parent_pid: int,
     ) -> None:
         self.core = core
@@ -130,6 +135,7 @@ class CoreLoop:
 
     def run(self) -> None:
         while self.running:
+            self.outputs.check()
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process is gone, exiting")
                 return
@@ -200,24 +206,27 @@ def run_engine_core(
     try:
         core = resolve_factory(factory_path)(config)
     except ParamError as exc:  # a configuration the user must fix: the message says how
-        outputs.send(CoreFailed(f"{exc.param}: {exc.message}"))
+        write_message(outputs.fileno(), CoreFailed(f"{exc.param}: {exc.message}"))
         raise SystemExit(1) from exc
     except Exception as exc:  # reported to the parent, then the process exits non-zero
-        outputs.send(CoreFailed(f"engine core failed to start: {exc!r}\n{traceback.format_exc()}"))
+        message = f"engine core failed to start: {exc!r}\n{traceback.format_exc()}"
+        write_message(outputs.fileno(), CoreFailed(message))
         raise SystemExit(1) from exc
-    loop = CoreLoop(core, inputs, outputs, parent_pid)
+    sender = OutputSender(outputs)
+    loop = CoreLoop(core, inputs, sender, parent_pid)
     try:
         loop.send(Ready(to_plain(core.model_info)))
         loop.run()
     except Exception as exc:
         logger.exception("engine core loop failed")
-        # If the parent is gone there is nobody left to tell.
-        with contextlib.suppress(OSError):
-            outputs.send(CoreFailed(f"engine core failed: {exc!r}\n{traceback.format_exc()}"))
+        # If the parent is gone the sender drops this: there is nobody left to tell.
+        sender.send(CoreFailed(f"engine core failed: {exc!r}\n{traceback.format_exc()}"))
         raise SystemExit(1) from exc
     finally:
+        # Flushed before the device is released: the API process learns the outcome first.
+        sender.close()
         core.shutdown()
         logger.info("engine core: shut down")
-    # Everything was sent synchronously, so nothing is left to flush; skipping interpreter
-    # teardown (seconds with torch loaded) lets a drained pod exit promptly.
+    # Everything queued was written by close(); skipping interpreter teardown (seconds with
+    # torch loaded) lets a drained pod exit promptly.
     os._exit(0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from davit_engine.types import EngineRequest, EngineStats, RequestDelta
+from davit_engine.types import EngineRequest, EngineStats, RequestDelta, TokenLogprob
 
 # --- API process -> engine core ---------------------------------------------------------------
 
@@ -77,10 +77,55 @@ class Deltas:
 
     `stats` is the core's state right after the step (or after applying inputs while idle), so
     the front end always knows the latest state without asking and waiting for a step to end.
+    When the front end reads slower than the core steps, the core sends the steps that queued
+    up as one `Deltas` (see `coalesce`): then a request's delta carries several steps' tokens.
     """
 
     deltas: list[RequestDelta] = field(default_factory=list)
     stats: EngineStats | None = None
+
+    @staticmethod
+    def coalesce(messages: list[Deltas]) -> Deltas:
+        """Consecutive messages as one: one delta per request (first-seen order), latest stats."""
+        if len(messages) == 1:
+            return messages[0]
+        by_request: dict[str, list[RequestDelta]] = {}
+        stats = None
+        for message in messages:
+            for delta in message.deltas:
+                by_request.setdefault(delta.request_id, []).append(delta)
+            if message.stats is not None:
+                stats = message.stats
+        return Deltas([merge_deltas(deltas) for deltas in by_request.values()], stats)
+
+
+def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """One request's consecutive deltas as one: the same tokens, logprobs and outcome.
+
+    Token ids and logprobs are concatenated in order; the finish reason and stop token are the
+    last delta's (only the last one of a request can carry them); prompt and cache counts are
+    the latest reported.
+    """
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    for delta in deltas:
+        token_ids += delta.new_token_ids
+        if delta.logprobs is not None:
+            if logprobs is None:
+                logprobs = []
+            logprobs += delta.logprobs
+    return RequestDelta(
+        last.request_id,
+        token_ids,
+        logprobs,
+        last.finish_reason,
+        last.stop_token_id,
+        max(d.num_prompt_tokens for d in deltas),
+        max(d.num_cached_tokens for d in deltas),
+    )
 
 
 @dataclass(frozen=True)

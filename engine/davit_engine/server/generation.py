@@ -16,7 +16,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from davit_engine.ipc.client import AdmissionError, EngineDeadError, RequestStream
+from davit_engine.ipc.client import AdmissionError, EngineDeadError
+from davit_engine.ipc.messages import merge_deltas
+from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.output import OutputPiece, RequestOutput
 from davit_engine.types import EngineRequest, RequestDelta, SamplingParams
@@ -53,21 +55,17 @@ class Generation:
     async def pieces(self) -> AsyncIterator[OutputPiece]:
         """Yield pieces until the request finishes. Raises OpenAIError(503) if the core dies.
 
-        Deltas that queued up while the consumer was busy (a slow client, a loaded API process)
-        are merged into one piece, so a consumer that falls behind catches up with fewer,
-        larger events instead of falling further behind.
+        Every piece holds all the deltas that arrived since the previous one, processed as one
+        (one detokenization, one stop-string check, one metrics update): a consumer that falls
+        behind (a slow client, a loaded API process) catches up with fewer, larger pieces
+        instead of falling further behind.
         """
         while not self.output.finished:
             try:
-                piece = self._process(await self.stream.next())
-                while not self.output.finished:
-                    delta = self.stream.next_nowait()
-                    if delta is None:
-                        break
-                    piece = piece.merged_with(self._process(delta))
+                deltas = await self.stream.take()
             except EngineDeadError as exc:
                 raise OpenAIError(503, f"the engine stopped: {exc}") from exc
-            yield piece
+            yield self._process(merge_deltas(deltas))
 
     def _process(self, delta: RequestDelta) -> OutputPiece:
         metrics = self.state.metrics

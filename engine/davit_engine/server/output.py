@@ -29,23 +29,17 @@ class LogprobEntry:
 
 @dataclass
 class OutputPiece:
-    """What one delta adds to the response. `finish_reason` is set on the last piece."""
+    """What one delta adds to the response. `finish_reason` is set on the last piece.
+
+    A delta may carry several tokens (steps merged on the way); `logprobs` then holds one
+    entry per token, in order.
+    """
 
     text: str
     num_new_tokens: int
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     stopped_by_string: bool = False  # the request is done here but the core does not know yet
-
-    def merged_with(self, later: OutputPiece) -> OutputPiece:
-        """This piece followed by `later`, as one."""
-        return OutputPiece(
-            self.text + later.text,
-            self.num_new_tokens + later.num_new_tokens,
-            self.logprobs + later.logprobs,
-            later.finish_reason or self.finish_reason,
-            self.stopped_by_string or later.stopped_by_string,
-        )
 
 
 def _finite(logprob: float) -> float:

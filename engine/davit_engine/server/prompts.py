@@ -44,8 +44,9 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
     batch: list[str | list[int]] = []
     if isinstance(prompt, str):
         batch = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        batch = [[int(t) for t in prompt]]  # type: ignore[arg-type]  # ints, checked above
+    elif prompt and isinstance(prompt[0], int):
+        # The strict request model admits only lists of one kind, so the first item tells.
+        batch = [list(prompt)]
     else:
         batch = list(prompt)  # type: ignore[arg-type]  # strings or token-id lists
     if not batch:
@@ -66,7 +67,8 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, param: str) -> li
     if not prompt:
         raise OpenAIError(400, f"'{param}' must not be empty", param)
     vocab = tokenizer.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab), None)
-    if bad is not None:
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
         raise OpenAIError(400, f"'{param}' holds token id {bad}, outside [0, {vocab})", param)
     return list(prompt)

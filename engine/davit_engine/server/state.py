@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import RequestStream
+from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.metrics import ServerMetrics
 from davit_engine.tokenizer import Tokenizer

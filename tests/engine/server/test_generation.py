@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import EngineDeadError, RequestStream
+from davit_engine.ipc.client import EngineDeadError
+from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.generation import Generation
 from davit_engine.server.output import RequestOutput
@@ -41,12 +42,15 @@ def make_generation(
     client = RecordingClient()
     state = ServerState(EngineConfig(model="m"), ServerSettings(), client, None)  # type: ignore[arg-type]
     state.begin_request()
-    queue: asyncio.Queue[RequestDelta | EngineDeadError] = asyncio.Queue()
-    for delta in deltas:
-        queue.put_nowait(delta)
+    stream = RequestStream("r1")
+    for item in deltas:
+        if isinstance(item, EngineDeadError):
+            stream.fail(item)
+        else:
+            stream.put(item)
     tokenizer = ByteTokenizer(512, None, (257,))
     output = RequestOutput(tokenizer, list(b"hi"), sampling)
-    return Generation(state, "r1", RequestStream("r1", queue), output, 0.0), client
+    return Generation(state, "r1", stream, output, 0.0), client
 
 
 def delta(text: str, finish: FinishReason | None = None) -> RequestDelta:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -13,21 +14,16 @@ from davit_engine.server.prompts import chat_prompt_ids
 from davit_engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatTokenLogprob,
-    DeltaMessage,
     ErrorResponse,
-    TopLogprob,
 )
 from davit_engine.server.routes.common import (
+    ChunkEncoder,
     collect_unless_disconnected,
     event_stream,
     get_state,
-    sse_event,
     usage_of,
 )
 from davit_engine.server.sampling import check_num_choices, sampling_params
@@ -39,20 +35,21 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 }
 
 
-def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=e.token,
-                logprob=e.logprob,
-                bytes=list(e.token.encode()),
-                top_logprobs=[
-                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """A `ChatLogprobs` as plain data: one content entry per token, in order."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
                 ],
-            )
+            }
             for e in entries
         ]
-    )
+    }
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
@@ -84,7 +81,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 ChatChoice(
                     index=g.index,
                     message=AssistantMessage(content="".join(texts[g.index])),
-                    logprobs=chat_logprobs(entries[g.index]) if body.logprobs else None,
+                    logprobs=(
+                        ChatLogprobs.model_validate(chat_logprobs(entries[g.index]))
+                        if body.logprobs
+                        else None
+                    ),
                     finish_reason=g.output.finish_reason,
                 )
                 for g in choices.generations
@@ -99,36 +100,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(choice: ChatChunkChoice | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=choices.id,
-            created=choices.created,
-            model=choices.generations[0].state.model_name,
-            choices=[choice] if choice is not None else [],
-        )
-
+    """One `ChatCompletionChunk` event per piece (all tokens that arrived together)."""
+    model = choices.generations[0].state.model_name
+    encoder = ChunkEncoder("chat.completion.chunk", choices.id, choices.created, model)
     for generation in choices.generations:
-        yield sse_event(
-            chunk(
-                ChatChunkChoice(
-                    index=generation.index, delta=DeltaMessage(role="assistant", content="")
-                )
-            )
+        yield encoder.event(
+            [
+                {
+                    "index": generation.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
         )
     async for generation, piece in choices.pieces():
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
             continue
-        yield sse_event(
-            chunk(
-                ChatChunkChoice(
-                    index=generation.index,
-                    delta=DeltaMessage(content=piece.text),
-                    logprobs=chat_logprobs(piece.logprobs) if logprobs else None,
-                    finish_reason=piece.finish_reason,
-                )
-            )
+        yield encoder.event(
+            [
+                {
+                    "index": generation.index,
+                    "delta": {"role": None, "content": piece.text},
+                    "logprobs": chat_logprobs(piece.logprobs) if logprobs else None,
+                    "finish_reason": piece.finish_reason,
+                }
+            ]
         )
     if include_usage:
-        final = chunk(None)
-        final.usage = usage_of(choices)
-        yield sse_event(final)
+        yield encoder.event([], usage_of(choices))

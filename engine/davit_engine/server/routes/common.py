@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
 from davit_engine.server.errors import OpenAIError, error_payload
@@ -37,8 +37,32 @@ def usage_of(choices: Choices) -> Usage:
     )
 
 
-def sse_event(model: BaseModel) -> bytes:
-    return format_sse_event(data_str=model.model_dump_json())
+class ChunkEncoder:
+    """Encodes the chunks of one streamed response as SSE events, one JSON encoding each.
+
+    A chunk is built as plain data in exactly the shape of the route's pydantic chunk model
+    (`ChatCompletionChunk`, `CompletionResponse`): every field, nulls included, in the
+    model's order. Chunks go out once per batch of tokens, and building and validating models
+    for each of them would cost more than everything else the stream does; the tests check
+    that every encoded chunk parses into the model and dumps back to the same data.
+    """
+
+    def __init__(self, object_name: str, response_id: str, created: int, model: str) -> None:
+        self.object_name = object_name
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+
+    def event(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
+        chunk = {
+            "id": self.response_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage.model_dump() if usage is not None else None,
+        }
+        return format_sse_event(data_str=to_json(chunk).decode())
 
 
 def sse_error(error: OpenAIError) -> bytes:
@@ -66,7 +90,11 @@ def event_stream(choices: Choices, events: AsyncIterator[bytes]) -> EventSourceR
             choices.close()
         yield DONE
 
-    response = EventSourceResponse(body(), background=BackgroundTask(choices.close))
+    async def close() -> None:
+        # A coroutine, so starlette runs it on the event loop, not in a worker thread.
+        choices.close()
+
+    response = EventSourceResponse(body(), background=BackgroundTask(close))
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"
     return response

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -18,10 +19,10 @@ from davit_engine.server.protocol import (
     ErrorResponse,
 )
 from davit_engine.server.routes.common import (
+    ChunkEncoder,
     collect_unless_disconnected,
     event_stream,
     get_state,
-    sse_event,
     usage_of,
 )
 from davit_engine.server.sampling import check_num_choices, sampling_params
@@ -33,16 +34,19 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 }
 
 
-def completion_logprobs(entries: list[LogprobEntry], text_offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs block; offsets count from the start of the completion."""
-    result = CompletionLogprobs()
+def completion_logprobs(entries: list[LogprobEntry], text_offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs block (a `CompletionLogprobs` as plain data), one entry per
+    token; offsets count from the start of the completion, `text_offset` is the first's."""
+    offsets = []
     for entry in entries:
-        result.tokens.append(entry.token)
-        result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append(dict(entry.top) if entry.top else None)
-        result.text_offset.append(text_offset)
+        offsets.append(text_offset)
         text_offset += len(entry.token)
-    return result
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) if e.top else None for e in entries],
+        "text_offset": offsets,
+    }
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
@@ -74,7 +78,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 CompletionChoice(
                     index=g.index,
                     text="".join(texts[g.index]),
-                    logprobs=completion_logprobs(entries[g.index], 0) if want_logprobs else None,
+                    logprobs=(
+                        CompletionLogprobs.model_validate(completion_logprobs(entries[g.index], 0))
+                        if want_logprobs
+                        else None
+                    ),
                     finish_reason=g.output.finish_reason,
                 )
                 for g in choices.generations
@@ -89,14 +97,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(choice: CompletionChoice | None) -> CompletionResponse:
-        return CompletionResponse(
-            id=choices.id,
-            created=choices.created,
-            model=choices.generations[0].state.model_name,
-            choices=[choice] if choice is not None else [],
-        )
-
+    """One `CompletionResponse` chunk event per piece (all tokens that arrived together)."""
+    model = choices.generations[0].state.model_name
+    encoder = ChunkEncoder("text_completion", choices.id, choices.created, model)
     offsets = {g.index: 0 for g in choices.generations}
     async for generation, piece in choices.pieces():
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
@@ -104,14 +107,15 @@ async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> Asyn
         index = generation.index
         block = completion_logprobs(piece.logprobs, offsets[index]) if logprobs else None
         offsets[index] += sum(len(e.token) for e in piece.logprobs)
-        yield sse_event(
-            chunk(
-                CompletionChoice(
-                    index=index, text=piece.text, logprobs=block, finish_reason=piece.finish_reason
-                )
-            )
+        yield encoder.event(
+            [
+                {
+                    "index": index,
+                    "text": piece.text,
+                    "logprobs": block,
+                    "finish_reason": piece.finish_reason,
+                }
+            ]
         )
     if include_usage:
-        final = chunk(None)
-        final.usage = usage_of(choices)
-        yield sse_event(final)
+        yield encoder.event([], usage_of(choices))
