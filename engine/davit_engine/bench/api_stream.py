@@ -48,7 +48,7 @@ TOKENS_PER_STEP_ENV = "DAVIT_BENCH_TOKENS_PER_STEP"
 STEP_S_ENV = "DAVIT_BENCH_STEP_S"
 
 # Every generated token is one printable ASCII byte, so a client counts tokens as characters.
-_SCRIPT = b"Streaming tokens through the API process, one step at a time. "
+SCRIPT = b"Streaming tokens through the API process, one step at a time. "
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 257
 MAX_MODEL_LEN = 1 << 20
@@ -81,8 +81,10 @@ class _Running:
 class StreamCore:
     """An engine core without a model: every step gives each running request N more tokens.
 
-    Implements the surface `ipc.core_process.CoreLoop` drives. Requests finish with `length`
-    after `max_tokens`; with `logprobs` set, every token carries a logprob and alternatives.
+    Implements the surface `ipc.core_process.CoreLoop` drives. Output token i of a request is
+    byte (i + seed) of `SCRIPT` (seed 0 when unset), so choices with different seeds differ.
+    Requests finish with `length` after `max_tokens`; with `logprobs` set, every token carries
+    logprob -0.5 and the alternatives (token, -0.5), (token + 1, -1.5).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -122,9 +124,9 @@ class StreamCore:
         finished = []
         for request_id, running in self._running.items():
             sampling = running.request.sampling
-            start = running.num_output_tokens
-            count = min(self.tokens_per_step, sampling.max_tokens - start)
-            ids = [_SCRIPT[(start + i) % len(_SCRIPT)] for i in range(count)]
+            start = running.num_output_tokens + (sampling.seed or 0)
+            count = min(self.tokens_per_step, sampling.max_tokens - running.num_output_tokens)
+            ids = [SCRIPT[(start + i) % len(SCRIPT)] for i in range(count)]
             running.num_output_tokens += count
             done = running.num_output_tokens >= sampling.max_tokens
             logprobs = None
@@ -239,9 +241,9 @@ class StreamResult:
     error: str = ""
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: list[float], q: float) -> float | None:
     if not values:
-        return math.nan
+        return None
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100.0
     low = math.floor(rank)
@@ -382,6 +384,7 @@ class _RawConnection:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._reader = self._writer = None
 
 
 async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[StreamResult], float]:
@@ -400,13 +403,21 @@ async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[St
     async def httpx_worker() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
             for i in next_index:
-                results.append(await _httpx_stream(http, *bodies[i]))
+                try:
+                    results.append(await _httpx_stream(http, *bodies[i]))
+                except httpx.HTTPError as exc:
+                    results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
 
     async def raw_worker() -> None:
         connection = _RawConnection(host, int(port))
         try:
             for i in next_index:
-                results.append(await asyncio.wait_for(connection.stream(*bodies[i]), args.timeout))
+                try:
+                    stream = connection.stream(*bodies[i])
+                    results.append(await asyncio.wait_for(stream, args.timeout))
+                except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
+                    results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
+                    connection.close()  # its state is unknown: the next request reconnects
         finally:
             connection.close()
 
@@ -441,6 +452,10 @@ def _free_port() -> int:
         return port
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Start the server, pin it, run the clients, stop the server; the report as a dict."""
     port = _free_port()
@@ -453,29 +468,29 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", MODULE, "--serve-port", str(port)]
     if args.api_profile:
         command += ["--api-profile", args.api_profile]
+    cpus = sorted(os.sched_getaffinity(0))
     server = subprocess.Popen(command, env=env)
     try:
         _wait_ready(base_url, server, args.startup_timeout)
-        cpus = sorted(os.sched_getaffinity(0))
-        placement = "not pinned (one CPU available)"
-        if args.pin and len(cpus) > 1:
-            api_cpus = {args.api_cpu}
-            others = set(cpus) - api_cpus
-            if not others or args.api_cpu not in cpus:
-                raise SystemExit(f"--api-cpu {args.api_cpu}: must be one of the CPUs {cpus}")
-            _pin(server.pid, api_cpus)
+        core = _core_process(server.pid)
+        if core is None:
+            raise RuntimeError("the bench server has no engine-core process")
+        if not args.pin:
+            placement = "not pinned (--no-pin)"
+        elif len(cpus) == 1:
+            placement = "not pinned (one CPU available)"
+        else:
+            others = set(cpus) - {args.api_cpu}
+            _pin(server.pid, {args.api_cpu})
             for child in _children(server.pid):
                 _pin(child, others)
             os.sched_setaffinity(0, others)
             placement = f"API process on CPU {args.api_cpu}; core and clients on {sorted(others)}"
-        core = _core_process(server.pid)
-        if core is None:
-            raise RuntimeError("the bench server has no engine-core process")
-        cpu_before = [_cpu_seconds(pid) for pid in (server.pid, core, os.getpid())]
+        pids = (server.pid, core, os.getpid())
+        cpu_before = [_cpu_seconds(pid) for pid in pids]
         results, duration = asyncio.run(_run_clients(args, base_url))
         api_cpu_s, core_cpu_s, client_cpu_s = (
-            _cpu_seconds(pid) - before
-            for pid, before in zip((server.pid, core, os.getpid()), cpu_before, strict=True)
+            _cpu_seconds(pid) - before for pid, before in zip(pids, cpu_before, strict=True)
         )
     finally:
         server.terminate()
@@ -514,15 +529,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens,
             "tokens_per_s": round(tokens / duration, 1),
             "events_per_s": round(events / duration, 1),
-            "tokens_per_event": round(tokens / events, 3) if events else math.nan,
+            "tokens_per_event": round(tokens / events, 3) if events else None,
             "api_cpu_s": round(api_cpu_s, 3),
             "api_cpu_util": round(api_cpu_s / duration, 3),
-            "api_cpu_us_per_token": round(api_cpu_s / tokens * 1e6, 2) if tokens else math.nan,
+            "api_cpu_us_per_token": round(api_cpu_s / tokens * 1e6, 2) if tokens else None,
             "core_cpu_util": round(core_cpu_s / duration, 3),
             "client_cpu_util": round(client_cpu_s / duration, 3),
-            "ttft_ms_p50": round(_percentile([r.ttft_s for r in ok], 50) * 1e3, 3),
-            "itl_ms_p50": round(_percentile(itls, 50) * 1e3, 3),
-            "itl_ms_p99": round(_percentile(itls, 99) * 1e3, 3),
+            "ttft_ms_p50": _ms(_percentile([r.ttft_s for r in ok], 50)),
+            "itl_ms_p50": _ms(_percentile(itls, 50)),
+            "itl_ms_p99": _ms(_percentile(itls, 99)),
         },
     }
 
@@ -533,7 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, default=64, help="streams kept in flight")
     p.add_argument("--num-requests", type=int, default=256, help="requests in all")
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=1024,
+        help="prompt tokens per request (chat: characters of the user message)",
+    )
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--tokens-per-step", type=int, default=1, help="tokens per request per step")
     p.add_argument(
@@ -570,6 +590,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("argument --step-ms: must not be negative")
     if args.logprobs is not None and not 0 <= args.logprobs <= 2:
         parser.error("argument --logprobs: must be in [0, 2]")
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) > 1 and args.api_cpu not in cpus:
+        parser.error(f"argument --api-cpu: must be one of the CPUs this may run on, {cpus}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         f"every {c['step_ms']:g} ms, logprobs {c['logprobs']}; {c['placement']}; "
         f"davit {c['davit']}, Python {c['python']}, {c['cpus']} CPUs"
     )
-    print(json.dumps(report, allow_nan=True))
+    print(json.dumps(report))
     return 0 if report["results"]["completed"] == args.num_requests else 1
 
 

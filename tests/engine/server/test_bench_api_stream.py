@@ -1,0 +1,52 @@
+"""`python -m davit_engine.bench.api_stream` end to end: server child, core process, clients."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from davit_engine.bench.api_stream import main
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_api_stream_bench_counts_every_token(
+    capsys: pytest.CaptureFixture[str], client: str
+) -> None:
+    argv = ["--num-requests", "8", "--concurrency", "4", "--input-len", "16"]
+    argv += ["--output-len", "9", "--tokens-per-step", "2", "--step-ms", "1", "--logprobs", "1"]
+    # Not pinned: pinning would confine this test process to some CPUs for good.
+    argv += ["--endpoint", "chat", "--client", client, "--no-pin"]
+    assert main(argv) == 0
+    config_line, json_line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "chat, 4 streams, 8 requests, 16 in / 9 out, 2 token(s) per step every 1 ms" in (
+        config_line
+    )
+    report = json.loads(json_line)
+    results = report["results"]
+    assert results["completed"] == 8 and results["errors"] == 0
+    assert results["tokens"] == 8 * 9
+    assert 1 <= results["tokens_per_event"] <= 9
+    assert results["tokens_per_s"] > 0 and results["api_cpu_s"] >= 0
+    assert 0 <= results["itl_ms_p50"] <= results["itl_ms_p99"]
+    assert report["config"]["client"] == client
+    assert report["config"]["placement"].startswith("not pinned")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--tokens-per-step", "0"], "--tokens-per-step"),
+        (["--step-ms", "-1"], "--step-ms"),
+        (["--logprobs", "5"], "--logprobs"),
+        (["--endpoint", "embeddings"], "--endpoint"),
+    ],
+)
+def test_api_stream_flag_errors_name_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
