@@ -7,9 +7,11 @@ top-p); then compare each predicted component with its measurement during the ru
 
 - weights: torch's reserved memory before the KV cache exists;
 - KV cache and runner buffers: reserved memory added by `initialize_kv_cache` before the
-  graph capture;
+  graph capture (the logits buffer the decode graphs share is one of the buffers);
 - CUDA graphs: reserved memory the run's own capture keeps (after releasing warm-up blocks);
-- activations + sampler: `max_memory_reserved` during the workload above the steady state;
+- activations + sampler: `max_memory_reserved` during the workload above the steady state,
+  against the profile's larger figure of the dummy forward and the probe steps (each row
+  carries what the probe steps ran and measured);
 - outside torch: device used - torch reserved, at the end.
 
 Measured peak = `torch.cuda.max_memory_reserved()` + outside-torch; it must stay within
@@ -24,6 +26,7 @@ Results: one JSON line per shape in `$OUT/memory_check.jsonl`, each profile in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -191,6 +194,7 @@ def check_shape(args: argparse.Namespace, shape: str, max_model_len: int) -> dic
     probe = _PROBE
     model = f"random:{shape}"
     core = EngineCore(_config(args, model, max_model_len))
+    runner = core.runner
     profile = core.memory_profile
     assert profile is not None
     predicted = profile.memory
@@ -217,6 +221,8 @@ def check_shape(args: argparse.Namespace, shape: str, max_model_len: int) -> dic
     measured_peak = peak_reserved + non_torch
     budget = predicted.budget_bytes
     graph_pool = measured["cuda_graph_bytes"]
+    graphs = getattr(runner, "graphs", None)
+    step_probe = getattr(runner, "step_probe", None)
     row: dict[str, Any] = {
         "shape": shape,
         "dtype": "bfloat16",
@@ -232,6 +238,10 @@ def check_shape(args: argparse.Namespace, shape: str, max_model_len: int) -> dic
         "num_blocks": predicted.num_blocks,
         "token_capacity": predicted.token_capacity,
         "graph_sizes": len(predicted.cuda_graph_sizes),
+        # Every decode graph writes one shared float32 buffer (a runner buffer, not the pool).
+        "graph_logits": "shared",
+        "graph_logits_buffer_bytes": graphs.logits_bytes if graphs is not None else 0,
+        "step_probe": dataclasses.asdict(step_probe) if step_probe is not None else None,
         "predicted": {k: getattr(predicted, k) for k in measured},
         "measured": measured,
         "predicted_peak_bytes": predicted.predicted_peak_bytes,
@@ -296,6 +306,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{row['no_graph_estimate_overcommit_bytes'] / _GIB:.3f} GiB "
             f"(peak {row['no_graph_estimate_peak_bytes'] / _GIB:.3f} GiB)"
         )
+        probe = row.get("step_probe")
+        if probe:
+            lines.append(
+                f"probe steps: {probe['peak_bytes'] / _GIB:.3f} GiB over steps of "
+                f"{list(probe['tokens_per_step'])} tokens sampling "
+                f"{list(probe['sampled_per_step'])} rows; shared graph logits "
+                f"{row['graph_logits_buffer_bytes'] / _GIB:.3f} GiB (runner buffer)"
+            )
         if "explicit" in row:
             lines.append(f"explicit KV bytes: {row['explicit']}")
     return "\n".join(lines)

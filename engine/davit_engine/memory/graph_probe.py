@@ -1,10 +1,11 @@
 """Runner V2's CUDA-graph pool, measured by capturing the real decode graphs once.
 
-The runner's persistent buffers (request state table, input buffers) are allocated for a probe
-KV cache of one full-length sequence (graph shapes do not depend on the number of blocks, only
-on `max_model_len` and the batch sizes), then the decode graphs for every batch size the run
-will capture are captured into one private pool, as `initialize_kv_cache` does. Everything is
-released afterwards; the run's own capture has the same shapes and so the same pool size.
+The runner's persistent buffers (request state table, input buffers, and the logits buffer all
+graphs write into) are allocated for a probe KV cache of one full-length sequence (graph shapes
+do not depend on the number of blocks, only on `max_model_len` and the batch sizes), then the
+decode graphs for every batch size the run will capture are captured into one private pool, as
+`initialize_kv_cache` does. Everything is released afterwards; the run's own capture has the
+same shapes and so the same pool size.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
 
 
 def probe_v2_graphs(runner: Any) -> tuple[int, int, tuple[int, ...]]:
-    """(runner buffer bytes, graph pool bytes, captured sizes) of a RunnerV2 on CUDA."""
+    """(runner buffer bytes, graph pool bytes, captured sizes) of a RunnerV2 on CUDA; the
+    graphs' shared logits buffer counts as a runner buffer."""
     config = runner.config
     device = runner.device
     max_len = config.max_model_len or runner.model_config.max_position_embeddings
@@ -29,11 +31,11 @@ def probe_v2_graphs(runner: Any) -> tuple[int, int, tuple[int, ...]]:
     before = torch.cuda.memory_reserved(device)
     try:
         runner.initialize_kv_cache(probe_blocks)
+        sizes = graph_batch_sizes(config.max_num_seqs)
+        graphs = DecodeGraphs(runner._graph_step, sizes, runner.model_config.vocab_size, device)
         torch.cuda.synchronize(device)
         after_buffers = torch.cuda.memory_reserved(device)
         buffers = max(0, after_buffers - before - probe_blocks * runner.block_bytes)
-        sizes = graph_batch_sizes(config.max_num_seqs)
-        graphs = DecodeGraphs(runner._decode_logits, sizes)
         with torch.inference_mode():
             graphs.capture()
         torch.cuda.synchronize(device)
@@ -43,11 +45,7 @@ def probe_v2_graphs(runner: Any) -> tuple[int, int, tuple[int, ...]]:
         del graphs
     finally:
         runner.use_graphs = use_graphs
-        runner.graphs = None
-        runner.kv_caches = []
-        runner.state = None
-        runner.inputs = None
-        runner.num_blocks = 0
+        runner.release_kv_cache()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return int(buffers), int(pool), tuple(sizes)

@@ -4,16 +4,22 @@ Called from the runners' `determine_num_blocks()`, after the weights are loaded:
 
 1. weights: what torch's allocator holds right after loading (CUDA), or the parameter bytes
    (CPU);
-2. activation peak: one dummy forward over `max_num_batched_tokens` tokens, then the sampler
-   over `max_num_seqs` rows with top-k and top-p active (the whole-row search path), inside one
-   peak window; the dummy forward's own small KV cache is subtracted;
-3. CUDA graphs (runner V2 on CUDA): the runner's persistent buffers are allocated for a probe
-   KV cache of one full-length sequence and the real decode graphs are captured into a private
-   pool exactly as `initialize_kv_cache` will capture them; the pool's size is what stays
-   reserved after the capture. The probe is then released and the run captures again with the
-   same shapes, so the same pool size;
+2. activation peak, the larger of two measurements:
+   - one dummy forward over `max_num_batched_tokens` tokens, then the sampler over
+     `max_num_seqs` rows with top-k and top-p active (the whole-row search path), inside one
+     peak window. The dummy forward's own small KV cache stays in the figure: the sampler that
+     follows reuses its freed blocks, so subtracting it would under-count;
+   - (runner V2) real runner steps against a probe KV cache (`step_probe`): a full prefill
+     chunk, a mixed step of `max_num_batched_tokens` tokens with `max_num_seqs` sampled rows,
+     and a decode of every row, so the allocator keeps blocks of every size a real run
+     caches side by side;
+3. CUDA graphs (runner V2 on CUDA): the runner's persistent buffers (the graphs' shared logits
+   buffer included) are allocated for a probe KV cache of one full-length sequence and the
+   real decode graphs are captured into a private pool exactly as `initialize_kv_cache` will
+   capture them; the pool's size is what stays reserved after the capture. The probe is then
+   released and the run captures again with the same shapes, so the same pool size;
 4. memory outside torch's allocator (CUDA context, cuBLAS/Triton workspaces, other processes on
-   the device): device used - torch reserved, after the probe.
+   the device): device used - torch reserved, after the probes.
 
 On the CPU the same steps run on the resident set size (`/proc/self/status`), with the peak
 reset through `/proc/self/clear_refs` where the kernel allows it, and the KV cache capped at
@@ -54,13 +60,17 @@ def size_kv_cache(
     runner: Any,
     dummy_forward: Callable[[int], None],
     probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None = None,
+    probe_steps: Callable[[], int] | None = None,
 ) -> MemoryProfile:
     """Profile `runner` (a RunnerV1 or RunnerV2 with weights loaded, no KV cache yet).
 
-    `dummy_forward(n)` runs one forward over n tokens; `probe_graphs()` (CUDA graphs on)
-    returns (runner buffer bytes, graph pool bytes, captured batch sizes) and leaves nothing
-    allocated. Raises ParamError naming the flag when nothing is left for the KV cache or an
-    explicit `--kv-cache-memory-bytes` does not fit beside the measured components.
+    `dummy_forward(n)` runs one forward over n tokens; `probe_steps()` (runner V2) runs real
+    steps against a probe KV cache and returns their activation peak in bytes (see
+    `PeakWindow`); `probe_graphs()` (CUDA graphs on) returns (runner buffer bytes, graph pool
+    bytes, captured batch sizes). Both probes leave nothing allocated. The activation peak is
+    the larger of the dummy forward's and the probe steps'. Raises ParamError naming the flag
+    when nothing is left for the KV cache or an explicit `--kv-cache-memory-bytes` does not fit
+    beside the measured components.
     """
     config = runner.config
     block_bytes = int(runner.block_bytes)
@@ -69,9 +79,9 @@ def size_kv_cache(
         breakdown = _unmeasured(runner, block_bytes, config.num_gpu_blocks, max_model_len)
         return MemoryProfile(identity=_identity(runner, max_model_len), memory=breakdown)
     if runner.device.type == "cuda":
-        measured = _measure_cuda(runner, dummy_forward, probe_graphs)
+        measured = _measure_cuda(runner, dummy_forward, probe_graphs, probe_steps)
     else:
-        measured = _measure_cpu(runner, dummy_forward)
+        measured = _measure_cpu(runner, dummy_forward, probe_steps)
     (method, total, weights, activation, graphs, buffers, non_torch, sizes) = measured
     budget = int(total * config.gpu_memory_utilization)
     used = weights + activation + graphs + buffers + non_torch
@@ -170,11 +180,6 @@ def _parameter_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _dummy_cache_bytes(runner: Any, num_tokens: int) -> int:
-    num_tokens = max(1, min(num_tokens, runner.model_config.max_position_embeddings))
-    return int(-(-num_tokens // runner.config.block_size) * runner.block_bytes)
-
-
 def _run_sampler_probe(runner: Any) -> None:
     """The sampler over max_num_seqs rows with top-k/top-p on (and logprobs when allowed)."""
     config = runner.config
@@ -212,22 +217,67 @@ def _run_sampler_probe(runner: Any) -> None:
         sampler.sample(logits, requests)
 
 
+class PeakWindow:
+    """Peak memory above the level at `start()`: torch's reserved memory on CUDA (what the
+    caching allocator keeps, freed blocks included), the resident set on the CPU.
+
+    `start()` returns False on the CPU when the kernel does not let the resident-set peak be
+    reset; the peak then includes whatever the process reached before.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._base = 0
+
+    def start(self) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        self._base = _status_kib("VmRSS")
+        return _reset_peak_rss()
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_reserved(self.device)
+        else:
+            peak = _status_kib("VmHWM")
+        return max(0, int(peak) - self._base)
+
+
+def _activation_peak(
+    runner: Any, dummy_forward: Callable[[int], None], probe_steps: Callable[[], int] | None
+) -> tuple[int, bool]:
+    """(the larger activation peak, whether the resident-set peak could be reset)."""
+    window = PeakWindow(runner.device)
+    reset = window.start()
+    dummy_forward(runner.config.max_num_batched_tokens)
+    _run_sampler_probe(runner)
+    dummy = window.peak_bytes()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+    steps = probe_steps() if probe_steps is not None else 0
+    logger.info(
+        "activation peak: dummy forward + sampler %s, probe steps %s",
+        _gib(dummy),
+        _gib(steps) if probe_steps is not None else "not run",
+    )
+    return max(dummy, steps), reset
+
+
 def _measure_cuda(
     runner: Any,
     dummy_forward: Callable[[int], None],
     probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None,
+    probe_steps: Callable[[], int] | None,
 ) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
     device = runner.device
-    config = runner.config
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    dummy_forward(config.max_num_batched_tokens)
-    _run_sampler_probe(runner)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device) - weights
-    activation = max(0, peak - _dummy_cache_bytes(runner, config.max_num_batched_tokens))
+    activation, _ = _activation_peak(runner, dummy_forward, probe_steps)
     torch.cuda.empty_cache()
     buffers, graphs, sizes = probe_graphs() if probe_graphs is not None else (0, 0, ())
     torch.cuda.synchronize(device)
@@ -265,18 +315,12 @@ def _cpu_total_bytes() -> int:
 
 
 def _measure_cpu(
-    runner: Any, dummy_forward: Callable[[int], None]
+    runner: Any, dummy_forward: Callable[[int], None], probe_steps: Callable[[], int] | None
 ) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
-    config = runner.config
     weights = _parameter_bytes(runner.model)
     rss_before = _status_kib("VmRSS")
-    method = "cpu-rss" if _reset_peak_rss() else "cpu-rss-unreset"
-    dummy_forward(config.max_num_batched_tokens)
-    _run_sampler_probe(runner)
-    peak = _status_kib("VmHWM")
-    activation = max(
-        0, peak - rss_before - _dummy_cache_bytes(runner, config.max_num_batched_tokens)
-    )
+    activation, reset = _activation_peak(runner, dummy_forward, probe_steps)
+    method = "cpu-rss" if reset else "cpu-rss-unreset"
     non_torch = max(0, rss_before - weights)
     return (method, _cpu_total_bytes(), weights, activation, 0, 0, non_torch, ())
 

@@ -256,23 +256,22 @@ def estimate_memory(
     )
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The decode batch sizes runner V2 captures (davit_engine.runner.v2.graphs, which imports
-    torch; a test keeps the two equal)."""
-    sizes = [1, 2, 4, 8, *range(16, 129, 8), *range(144, max_num_seqs + 1, 16)]
-    sizes = [s for s in sizes if s <= max_num_seqs]
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
+def graph_logits_bytes(shape: ModelShape, max_num_seqs: int) -> int:
+    """The float32 logits buffer `[max_num_seqs, vocab]` every decode graph of runner V2 writes
+    (davit_engine.runner.v2.graphs, which imports torch; a test keeps the two equal)."""
+    return max_num_seqs * shape.vocab_size * 4
 
 
 def cuda_graph_estimate(shape: ModelShape, max_num_seqs: int, dtype_bytes: int) -> int:
-    """Every captured graph keeps its own fp32 logits output ([size, vocab]) alive in the pool;
-    the intermediates are shared, the largest graph's. On an H200 this was within 3% of the
-    measured pool (Qwen3-0.6B 1.56 GiB, Llama-3.1-8B 1.31 GiB at 256 sequences)."""
-    rows = sum(graph_batch_sizes(max_num_seqs))
-    intermediates = max_num_seqs * (4 * shape.hidden_size + 2 * shape.intermediate_size)
-    return rows * shape.vocab_size * 4 + intermediates * dtype_bytes
+    """Runner V2's decode graphs write their logits into one shared float32 buffer (a runner
+    buffer beside the pool, counted here with the graphs) and share one pool, which holds about
+    the largest graph's intermediates: its logits in the model dtype before the conversion and
+    the hidden-sized activations."""
+    shared_logits = graph_logits_bytes(shape, max_num_seqs)
+    largest = max_num_seqs * (
+        shape.vocab_size + 4 * shape.hidden_size + 2 * shape.intermediate_size
+    )
+    return shared_logits + largest * dtype_bytes
 
 
 def _gib(n: int) -> str:

@@ -4,6 +4,12 @@ A decode step of B requests replays the graph of the smallest captured size >= B
 rows sit on the padding slot, which owns no KV block, so they write and read nothing. The
 captured region reads only fixed device buffers (the state table's row vectors and tables), so
 a replay needs no host work beyond the staged copy that precedes it.
+
+Every graph writes its logits into the first rows of one float32 buffer `[max size, V]`,
+allocated once outside the pool. A graph's own intermediates are freed before its capture
+ends, so the graphs captured after it reuse that pool memory: the pool holds about one graph's
+intermediates instead of every graph's logits. A replay overwrites the logits of the previous
+one; the runner samples them on the same stream before it launches the next step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -29,35 +36,66 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """Captured decode steps. `step(num_rows)` must read and write only static buffers and
-    return the logits tensor `[num_rows, V]` that the replay refreshes."""
+class Replayable(Protocol):
+    """A captured step (a `torch.cuda.CUDAGraph`)."""
 
-    def __init__(self, step: Callable[[int], torch.Tensor], sizes: list[int]) -> None:
+    def replay(self) -> None: ...
+
+
+class DecodeGraphs:
+    """Captured decode steps sharing one logits buffer.
+
+    `step(num_rows, out)` must read and write only static buffers and write the logits of its
+    `num_rows` rows into `out` (`[num_rows, V]` float32, the first rows of `logits`). The buffer
+    is allocated here, outside the graph pool; `replay(size)` returns `logits[:size]`, valid
+    until the next replay.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[int, torch.Tensor], None],
+        sizes: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         self._step = step
         self.sizes = sorted(sizes)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # logits: [max size, V] float32, written by every graph
+        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[int, Replayable] = {}
         self.pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.logits.numel() * self.logits.element_size()
 
     def capture(self) -> None:
         began = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         for size in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
-            self._step(size)  # warm-up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(size)
-            self._graphs[size] = (graph, out)
+            self._graphs[size] = self._capture_size(size)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode graphs (batch %d..%d) in %.1f s, %.2f GiB",
+            "captured %d decode graphs (batch %d..%d) in %.1f s: %.2f GiB of graph pool, "
+            "%.2f GiB of shared logits beside it",
             len(self.sizes),
             self.sizes[0],
             self.sizes[-1],
             time.perf_counter() - began,
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
+            self.logits_bytes / 2**30,
         )
+
+    def _capture_size(self, size: int) -> Replayable:
+        out = self.logits[:size]
+        self._step(size, out)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            # Everything the step allocates besides `out` is freed when it returns, inside
+            # the capture: the next (smaller) graph reuses that pool memory.
+            self._step(size, out)
+        return graph
 
     def padded_size(self, num_rows: int) -> int | None:
         """The captured size that serves `num_rows` rows, or None when none is large enough."""
@@ -65,6 +103,6 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, size: int) -> torch.Tensor:
-        graph, out = self._graphs[size]
-        graph.replay()
-        return out
+        """Run the graph of captured size `size`; its logits: `[size, V]` float32."""
+        self._graphs[size].replay()
+        return self.logits[:size]

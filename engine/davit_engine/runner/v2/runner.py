@@ -27,6 +27,7 @@ from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.loader import LoadedModel
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import size_kv_cache
+from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.paged_kv import allocate_kv_caches, dummy_prefill
 from davit_engine.runner.v2.fused_layers import install_fused_layers
@@ -77,6 +78,7 @@ class RunnerV2(ModelRunner):
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_fused_layers = 0
+        self.step_probe: StepProbe | None = None  # the memory probe's steps, once profiled
         if device.type == "cuda" and self.fuse_layers:
             self.num_fused_layers = install_fused_layers(self.model)
 
@@ -89,7 +91,8 @@ class RunnerV2(ModelRunner):
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
 
     def determine_num_blocks(self) -> int:
-        """Measured by `davit_engine.memory` (CUDA graphs included); the profile is kept."""
+        """Measured by `davit_engine.memory`: real probe steps for the activation peak, CUDA
+        graphs included; the profile and the probe steps are kept."""
         probe = None
         if self.use_graphs:
             from davit_engine.memory.graph_probe import probe_v2_graphs
@@ -97,8 +100,12 @@ class RunnerV2(ModelRunner):
             def probe() -> tuple[int, int, tuple[int, ...]]:
                 return probe_v2_graphs(self)
 
-        self.memory_profile = size_kv_cache(self, self._dummy_prefill, probe)
+        self.memory_profile = size_kv_cache(self, self._dummy_prefill, probe, self._probe_steps)
         return self.memory_profile.memory.num_blocks
+
+    def _probe_steps(self) -> int:
+        self.step_probe = probe_v2_steps(self)
+        return self.step_probe.peak_bytes
 
     def _dummy_prefill(self, num_tokens: int) -> None:
         dummy_prefill(
@@ -147,9 +154,24 @@ class RunnerV2(ModelRunner):
             self.max_model_len,
         )
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self._decode_logits, graph_batch_sizes(config.max_num_seqs))
+            self.graphs = DecodeGraphs(
+                self._graph_step, graph_batch_sizes(config.max_num_seqs), c.vocab_size, self.device
+            )
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache, request state, buffers and graphs, as before
+        `initialize_kv_cache` (the memory probes allocate them for a probe cache first)."""
+        self.graphs = None
+        self.kv_caches = []
+        self.state = None
+        self.inputs = None
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self._out_buffers = []
+        self._out_owners = []
+        self._out_turn = 0
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -214,8 +236,20 @@ class RunnerV2(ModelRunner):
                 pending.event.record()
         return pending
 
-    def _decode_logits(self, num_rows: int, max_seq_len: int | None = None) -> torch.Tensor:
-        """Input preparation, forward and logits for `num_rows` one-token rows: [num_rows, V].
+    def _decode_logits(self, num_rows: int, max_seq_len: int) -> torch.Tensor:
+        """Input preparation, forward and logits for `num_rows` one-token rows: [num_rows, V]."""
+        return self.model.compute_logits(self._decode_hidden(num_rows, max_seq_len))
+
+    def _graph_step(self, num_rows: int, out: torch.Tensor) -> None:
+        """The captured decode step: its logits go into `out` ([num_rows, V] float32, rows of
+        the graphs' shared buffer)."""
+        hidden = self._decode_hidden(num_rows)  # [B, hidden]
+        # compute_logits is lm_head then a float32 conversion: the copy converts while it
+        # writes the shared buffer, one pass over the logits instead of two.
+        out.copy_(self.model.lm_head(hidden))
+
+    def _decode_hidden(self, num_rows: int, max_seq_len: int | None = None) -> torch.Tensor:
+        """Input preparation and forward for `num_rows` one-token rows: [num_rows, hidden].
 
         With `max_seq_len=None` (graph capture) the launch shapes depend on `num_rows` alone.
         """
@@ -245,8 +279,7 @@ class RunnerV2(ModelRunner):
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
             num_rows, self.model_config.num_kv_heads, horizon
         )
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
-        return self.model.compute_logits(hidden)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
 
     def _mixed_logits(
         self, rows: StepRows, scheduled: list[ScheduledRequest], max_seq_len: int
