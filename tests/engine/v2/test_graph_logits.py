@@ -128,7 +128,8 @@ def test_graph_step_writes_the_eager_logits(loaded: LoadedModel) -> None:
         runner._graph_step(4, graphs.logits[:4])
         eager = runner._decode_logits(4, 1)
     torch.testing.assert_close(graphs.logits[:4], eager)
-    torch.testing.assert_close(graphs.logits[:4], wide[:4])
+    # another batch size may take other GEMM kernels on a GPU: close, not bitwise
+    torch.testing.assert_close(graphs.logits[:4], wide[:4], rtol=1e-3, atol=1e-3)
     assert bool((graphs.logits[4:] == 7.0).all())
 
 
@@ -148,8 +149,8 @@ def test_captured_graphs_share_the_buffer(loaded: LoadedModel) -> None:
         small = graphs.replay(4)
         torch.cuda.synchronize()
     assert small.data_ptr() == graphs.logits.data_ptr()
-    torch.testing.assert_close(small, wide[:4])
-    torch.testing.assert_close(wide, wide[:1].expand_as(wide))
+    torch.testing.assert_close(small, wide[:4], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(wide, wide[:1].expand_as(wide), rtol=1e-3, atol=1e-3)
     assert bool((graphs.logits[4:] == 7.0).all())
     eager = RunnerV2(config, loaded, DEVICE)
     eager.use_graphs = False
