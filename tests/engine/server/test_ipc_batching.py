@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 import queue
 import select
 import threading
@@ -80,6 +81,22 @@ def test_coalesce_gives_one_delta_per_request_and_the_latest_stats() -> None:
     assert [d.finish_reason for d in merged.deltas] == [FinishReason.STOP, None, None]
     assert merged.stats == EngineStats(num_running=1)
     assert Deltas.coalesce(steps[:1]) is steps[0]
+
+
+def test_deltas_survive_pickling_field_for_field() -> None:
+    message = Deltas(
+        [
+            delta("a", [1, 2], logprobs=True, cached=3),
+            RequestDelta("b", [7], None, FinishReason.STOP, 7, 5, 0),
+            delta("c", [], finish=FinishReason.ABORT),
+        ],
+        EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.25),
+    )
+    copy = pickle.loads(pickle.dumps(message))
+    assert copy == message
+    assert copy.deltas[1].finish_reason is FinishReason.STOP
+    assert copy.deltas[0].logprobs is not None
+    assert isinstance(copy.deltas[0].logprobs[0], TokenLogprob)
 
 
 # --- framing ------------------------------------------------------------------------------------
