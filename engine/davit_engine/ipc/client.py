@@ -114,6 +114,11 @@ class AsyncEngineClient:
         return self.dead_reason is None and self._process is not None and self._process.is_alive()
 
     @property
+    def core_pid(self) -> int | None:
+        """The engine-core process's id; None before `start()`."""
+        return None if self._process is None else self._process.pid
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

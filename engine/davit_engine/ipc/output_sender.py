@@ -22,13 +22,15 @@ class OutputSender:
 
     `send()` never blocks on the pipe. Consecutive `Deltas` waiting behind a message that is
     still being written are coalesced into one. `close()` writes everything still queued and
-    stops the thread. If writing fails (the API process is gone), `failure` holds the error,
-    later messages are dropped, and the loop raises it on its next `check()`.
+    stops the thread. A message that cannot be sent leaves its error in `failure`, which the
+    loop raises on its next `check()`; once the pipe itself failed (the API process is gone),
+    later messages are dropped.
     """
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.failure: OSError | None = None
+        self.failure: Exception | None = None
+        self._pipe_broken = False
         self._queue: deque[OutputMessage | None] = deque()  # None: stop after what is queued
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(
@@ -67,11 +69,14 @@ class OutputSender:
             for message in _coalesced(self._next_batch()):
                 if message is None:
                     return
-                if self.failure is not None:
+                if self._pipe_broken:
                     continue
                 try:
                     write_message(self.connection.fileno(), message)
                 except OSError as exc:
+                    self.failure = exc
+                    self._pipe_broken = True
+                except Exception as exc:  # not picklable: raised in the loop by check()
                     self.failure = exc
 
 

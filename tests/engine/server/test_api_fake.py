@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -456,6 +458,27 @@ def test_crashed_core_fails_requests_and_health() -> None:
         assert http.get("/ready").status_code == 503
         after = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 5})
         assert after.status_code == 503
+
+
+def test_killed_core_ends_streams_with_its_exit_code() -> None:
+    """No goodbye message: the pipe's end (and the process sentinel) tell the client."""
+    with serve_fake(step_s=0.01) as server, server.http() as http:
+        body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with http.stream("POST", COMPLETIONS, json=body) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 1:
+                    core_pid = server.state.client.core_pid  # type: ignore[attr-defined]
+                    os.kill(core_pid, signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503
+        assert f"exit code {-signal.SIGKILL}" in error["message"]
+        assert http.get("/health").status_code == 503
+        assert server.state.num_in_flight == 0
 
 
 def test_drain_refuses_new_requests_and_finishes_in_flight() -> None:

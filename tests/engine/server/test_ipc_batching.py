@@ -250,3 +250,19 @@ def test_request_stream_hands_over_everything_pending_then_the_error() -> None:
             await stream.take()
 
     asyncio.run(scenario())
+
+
+def test_sender_reports_an_unsendable_message_and_keeps_going() -> None:
+    read_conn, write_conn = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    sender = OutputSender(write_conn)
+    try:
+        sender.send(Admitted(lambda: None))  # type: ignore[arg-type]  # a lambda cannot be pickled
+        sender.send(Admitted("after"))
+        reader = MessageReader(read_conn.fileno())
+        assert read_until(reader, 1) == [Admitted("after")]
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            sender.check()
+    finally:
+        sender.close()
+        read_conn.close()
+        write_conn.close()
