@@ -13,6 +13,14 @@ The server runs in a child process. Once it is ready, the API process's threads 
 CPU core of API process sustains. The CPU seconds the API process spent are read from /proc and
 reported per token: the cost of the API path, independent of what limited the run.
 
+With `--base-url` the same clients measure a server that is already running (a real engine,
+`davit serve`); tokens are then counted from each stream's usage, and `--api-pid` names the
+API process whose CPU use to report.
+
+The clients read the chunked SSE responses themselves by default (`--client raw`): httpx
+costs tens of microseconds per received event, so one client process could not read as fast
+as the server writes one event per token; `--client httpx` is there to compare.
+
 Prints its configuration, then one JSON line with the results.
 """
 
@@ -254,12 +262,13 @@ def _percentile(values: list[float], q: float) -> float | None:
 def _body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
     rng = random.Random(i)
     common: dict[str, Any] = {
-        "model": MODEL,
         "max_tokens": args.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if args.base_url is None:
+        common["model"] = MODEL  # another server answers for its own model when none is named
     if args.endpoint == "chat":
         content = "".join(chr(rng.randrange(97, 123)) for _ in range(args.input_len))
         body = {**common, "messages": [{"role": "user", "content": content}]}
@@ -273,10 +282,16 @@ def _body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
 
 
 class _StreamCounter:
-    """Counts one stream's tokens and the gaps between its events, fed one SSE data line each."""
+    """Counts one stream's tokens and the gaps between its events, fed one SSE data line each.
 
-    def __init__(self, expected_tokens: int) -> None:
+    Against `StreamCore` every token is one character, so the text itself is counted and
+    checked against the usage; against another server only the usage counts tokens.
+    """
+
+    def __init__(self, expected_tokens: int, chars_are_tokens: bool) -> None:
         self.expected_tokens = expected_tokens
+        self.chars_are_tokens = chars_are_tokens
+        self.num_chars = 0
         self.start = time.perf_counter()
         self.last: float | None = None
         self.result = StreamResult(ok=False)
@@ -303,7 +318,7 @@ class _StreamCounter:
         else:
             self.result.itls_s.append(now - self.last)
         self.last = now
-        self.result.tokens += len(text)
+        self.num_chars += len(text)
         self.result.events += 1
         return True
 
@@ -311,6 +326,7 @@ class _StreamCounter:
         result = self.result
         if result.error:
             return result
+        result.tokens = self.num_chars if self.chars_are_tokens else result.usage_tokens
         result.ok = result.tokens == result.usage_tokens == self.expected_tokens
         if not result.ok:
             result.error = (
@@ -320,8 +336,10 @@ class _StreamCounter:
         return result
 
 
-async def _httpx_stream(http: Any, path: str, body: dict[str, Any]) -> StreamResult:
-    counter = _StreamCounter(body["max_tokens"])
+async def _httpx_stream(
+    http: Any, path: str, body: dict[str, Any], chars_are_tokens: bool
+) -> StreamResult:
+    counter = _StreamCounter(body["max_tokens"], chars_are_tokens)
     async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:300]
@@ -346,12 +364,12 @@ class _RawConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def stream(self, path: str, body: dict[str, Any]) -> StreamResult:
+    async def stream(self, path: str, body: dict[str, Any], chars_are_tokens: bool) -> StreamResult:
         if self._reader is None or self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._reader, self._writer
         payload = json.dumps(body).encode()
-        counter = _StreamCounter(body["max_tokens"])
+        counter = _StreamCounter(body["max_tokens"], chars_are_tokens)
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
@@ -396,24 +414,25 @@ async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[St
     import httpx
 
     bodies = [_body(args, i) for i in range(args.num_requests)]
+    chars_are_tokens = args.base_url is None
     results: list[StreamResult] = []
     next_index = iter(range(args.num_requests))
-    host, port = base_url.removeprefix("http://").split(":")
+    host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
 
     async def httpx_worker() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
             for i in next_index:
                 try:
-                    results.append(await _httpx_stream(http, *bodies[i]))
+                    results.append(await _httpx_stream(http, *bodies[i], chars_are_tokens))
                 except httpx.HTTPError as exc:
                     results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
 
     async def raw_worker() -> None:
-        connection = _RawConnection(host, int(port))
+        connection = _RawConnection(host, int(port or 80))
         try:
             for i in next_index:
                 try:
-                    stream = connection.stream(*bodies[i])
+                    stream = connection.stream(*bodies[i], chars_are_tokens)
                     results.append(await asyncio.wait_for(stream, args.timeout))
                 except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
                     results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
@@ -457,7 +476,14 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the server, pin it, run the clients, stop the server; the report as a dict."""
+    """Start and pin the server (unless `--base-url`), run the clients; the report as a dict."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.base_url is not None:
+        api_pid = args.api_pid
+        placement = f"external server {args.base_url}" + (
+            f" (API process {api_pid})" if api_pid else ""
+        )
+        return _report(args, cpus, placement, *_measure(args, args.base_url, api_pid, None))
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     env = {
@@ -468,7 +494,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-m", MODULE, "--serve-port", str(port)]
     if args.api_profile:
         command += ["--api-profile", args.api_profile]
-    cpus = sorted(os.sched_getaffinity(0))
     server = subprocess.Popen(command, env=env)
     try:
         _wait_ready(base_url, server, args.startup_timeout)
@@ -486,12 +511,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 _pin(child, others)
             os.sched_setaffinity(0, others)
             placement = f"API process on CPU {args.api_cpu}; core and clients on {sorted(others)}"
-        pids = (server.pid, core, os.getpid())
-        cpu_before = [_cpu_seconds(pid) for pid in pids]
-        results, duration = asyncio.run(_run_clients(args, base_url))
-        api_cpu_s, core_cpu_s, client_cpu_s = (
-            _cpu_seconds(pid) - before for pid, before in zip(pids, cpu_before, strict=True)
-        )
+        measured = _measure(args, base_url, server.pid, core)
     finally:
         server.terminate()
         try:
@@ -499,11 +519,42 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(10)
+    return _report(args, cpus, placement, *measured)
+
+
+def _measure(
+    args: argparse.Namespace, base_url: str, api_pid: int | None, core_pid: int | None
+) -> tuple[list[StreamResult], float, dict[str, float | None]]:
+    """Run the clients; their results, the duration and the CPU seconds each process used."""
+    pids = {"api": api_pid, "core": core_pid, "client": os.getpid()}
+    before = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+    results, duration = asyncio.run(_run_clients(args, base_url))
+    cpu_s: dict[str, float | None] = {
+        name: None if pid is None else _cpu_seconds(pid) - before[name]
+        for name, pid in pids.items()
+    }
+    return results, duration, cpu_s
+
+
+def _report(
+    args: argparse.Namespace,
+    cpus: list[int],
+    placement: str,
+    results: list[StreamResult],
+    duration: float,
+    cpu_s: dict[str, float | None],
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
     events = sum(r.events for r in ok)
     itls = [x for r in ok for x in r.itls_s]
     errors = sorted({r.error for r in results if not r.ok})
+
+    def util(name: str) -> float | None:
+        seconds = cpu_s[name]
+        return None if seconds is None else round(seconds / duration, 3)
+
+    api_cpu_s = cpu_s["api"]
     return {
         "config": {
             "endpoint": args.endpoint,
@@ -512,8 +563,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "num_requests": args.num_requests,
             "input_len": args.input_len,
             "output_len": args.output_len,
-            "tokens_per_step": args.tokens_per_step,
-            "step_ms": args.step_ms,
+            "tokens_per_step": None if args.base_url else args.tokens_per_step,
+            "step_ms": None if args.base_url else args.step_ms,
             "logprobs": args.logprobs,
             "placement": placement,
             "davit": davit_engine.__version__,
@@ -530,11 +581,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": round(tokens / duration, 1),
             "events_per_s": round(events / duration, 1),
             "tokens_per_event": round(tokens / events, 3) if events else None,
-            "api_cpu_s": round(api_cpu_s, 3),
-            "api_cpu_util": round(api_cpu_s / duration, 3),
-            "api_cpu_us_per_token": round(api_cpu_s / tokens * 1e6, 2) if tokens else None,
-            "core_cpu_util": round(core_cpu_s / duration, 3),
-            "client_cpu_util": round(client_cpu_s / duration, 3),
+            "api_cpu_s": None if api_cpu_s is None else round(api_cpu_s, 3),
+            "api_cpu_util": util("api"),
+            "api_cpu_us_per_token": (
+                round(api_cpu_s / tokens * 1e6, 2) if api_cpu_s is not None and tokens else None
+            ),
+            "core_cpu_util": util("core"),
+            "client_cpu_util": util("client"),
             "ttft_ms_p50": _ms(_percentile([r.ttft_s for r in ok], 50)),
             "itl_ms_p50": _ms(_percentile(itls, 50)),
             "itl_ms_p99": _ms(_percentile(itls, 99)),
@@ -567,6 +620,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="raw: a minimal HTTP/1.1 reader (cheap per event); httpx: the httpx client",
     )
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (off)")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="measure this running server instead of starting one (tokens counted from usage)",
+    )
+    p.add_argument(
+        "--api-pid",
+        type=int,
+        default=None,
+        help="with --base-url: the server's API process, to report its CPU use",
+    )
     p.add_argument("--api-cpu", type=int, default=0, help="the CPU the API process runs on")
     p.add_argument(
         "--no-pin", dest="pin", action="store_false", help="leave processes where they are"
@@ -590,6 +654,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("argument --step-ms: must not be negative")
     if args.logprobs is not None and not 0 <= args.logprobs <= 2:
         parser.error("argument --logprobs: must be in [0, 2]")
+    if args.api_pid is not None and args.base_url is None:
+        parser.error("argument --api-pid: only with --base-url (else the bench starts the server)")
+    if args.api_pid is not None and not Path(f"/proc/{args.api_pid}").exists():
+        parser.error(f"argument --api-pid: no process {args.api_pid}")
+    if args.base_url is not None and not args.base_url.startswith("http://"):
+        parser.error("argument --base-url: must start with http://")
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) > 1 and args.api_cpu not in cpus:
         parser.error(f"argument --api-cpu: must be one of the CPUs this may run on, {cpus}")
@@ -604,11 +674,15 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     report = run_bench(args)
     c = report["config"]
+    core = (
+        "the server's own engine"
+        if args.base_url
+        else f"{c['tokens_per_step']} token(s) per step every {c['step_ms']:g} ms"
+    )
     print(
         f"api_stream: {c['endpoint']}, {c['concurrency']} streams, {c['num_requests']} requests, "
-        f"{c['input_len']} in / {c['output_len']} out, {c['tokens_per_step']} token(s) per step "
-        f"every {c['step_ms']:g} ms, logprobs {c['logprobs']}; {c['placement']}; "
-        f"davit {c['davit']}, Python {c['python']}, {c['cpus']} CPUs"
+        f"{c['input_len']} in / {c['output_len']} out, {core}, logprobs {c['logprobs']}; "
+        f"{c['placement']}; davit {c['davit']}, Python {c['python']}, {c['cpus']} CPUs"
     )
     print(json.dumps(report))
     return 0 if report["results"]["completed"] == args.num_requests else 1

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from davit_engine.bench.api_stream import main
+
+from .conftest import serve_fake
 
 
 @pytest.mark.parametrize("client", ["raw", "httpx"])
@@ -33,6 +36,19 @@ def test_api_stream_bench_counts_every_token(
     assert report["config"]["placement"].startswith("not pinned")
 
 
+def test_api_stream_bench_measures_a_running_server(capsys: pytest.CaptureFixture[str]) -> None:
+    """--base-url: the clients alone, against the app with the tests' fake core."""
+    with serve_fake(step_s=0.002, max_num_seqs=8) as server:
+        argv = ["--base-url", server.base_url, "--api-pid", str(os.getpid())]
+        argv += ["--num-requests", "6", "--concurrency", "3", "--input-len", "12"]
+        assert main([*argv, "--output-len", "7", "--logprobs", "1"]) == 0
+    config_line, json_line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "the server's own engine" in config_line and server.base_url in config_line
+    results = json.loads(json_line)["results"]
+    assert results["completed"] == 6 and results["tokens"] == 6 * 7
+    assert results["api_cpu_s"] is not None and results["core_cpu_util"] is None
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -41,6 +57,8 @@ def test_api_stream_bench_counts_every_token(
         (["--step-ms", "-1"], "--step-ms"),
         (["--logprobs", "5"], "--logprobs"),
         (["--endpoint", "embeddings"], "--endpoint"),
+        (["--api-pid", "1"], "--api-pid"),
+        (["--base-url", "localhost:8000"], "--base-url"),
     ],
 )
 def test_api_stream_flag_errors_name_the_flag(
