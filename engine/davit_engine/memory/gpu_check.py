@@ -159,9 +159,24 @@ def _fill_workload(core: EngineCore, tail: int, deadline: float) -> dict[str, An
     runner = core.runner
     graph_steps_before = getattr(runner, "num_graph_steps", 0)
     started = time.perf_counter()
+    rises: list[dict[str, Any]] = []  # the steps where the reserved peak grew, and by how much
+    last_peak = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
     while core.has_unfinished_requests():
         core.step()
         stats = core.stats()
+        if torch.cuda.is_available() and torch.cuda.max_memory_reserved() > last_peak:
+            peak = torch.cuda.max_memory_reserved()
+            rises.append(
+                {
+                    "step": steps,
+                    "rise_mib": round((peak - last_peak) / 2**20, 1),
+                    "running": stats.num_running,
+                    "waiting": stats.num_waiting,
+                    "graph_steps": getattr(runner, "num_graph_steps", 0),
+                    "eager_steps": getattr(runner, "num_eager_steps", 0),
+                }
+            )
+            last_peak = peak
         max_running = max(max_running, stats.num_running)
         used = stats.num_total_blocks - stats.num_free_blocks
         max_used_blocks = max(max_used_blocks, used)
@@ -184,6 +199,8 @@ def _fill_workload(core: EngineCore, tail: int, deadline: float) -> dict[str, An
         "kv_fill": round(max_used_blocks / core.model_info.num_blocks, 4),
         "preemptions": core.stats().num_preemptions,
         "seconds": round(time.perf_counter() - started, 1),
+        "reserved_peak_rises": rises[-12:],
+        "num_reserved_peak_rises": len(rises),
     }
 
 
@@ -203,10 +220,19 @@ def check_shape(args: argparse.Namespace, shape: str, max_model_len: int) -> dic
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     steady = torch.cuda.memory_reserved()
+    steady_allocated = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     deadline = time.perf_counter() + args.seconds_per_shape
     workload = _fill_workload(core, args.tail, deadline)
     peak_reserved = torch.cuda.max_memory_reserved()
+    # Live tensors at the peak against what the allocator held: the difference is blocks
+    # cached in segments of sizes the next request could not use (fragmentation).
+    allocator = {
+        "allocated_peak_above_steady_bytes": torch.cuda.max_memory_allocated() - steady_allocated,
+        "reserved_peak_above_steady_bytes": peak_reserved - steady,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "segments": torch.cuda.memory_stats().get("segment.all.current", 0),
+    }
     free, total = torch.cuda.mem_get_info()
     non_torch = (total - free) - torch.cuda.memory_reserved()
     kv_bytes = predicted.num_blocks * predicted.block_bytes
@@ -250,6 +276,7 @@ def check_shape(args: argparse.Namespace, shape: str, max_model_len: int) -> dic
         "no_graph_estimate_overcommit_bytes": graph_pool,
         "no_graph_estimate_peak_bytes": measured_peak + graph_pool,
         "workload": workload,
+        "allocator": allocator,
     }
     core.shutdown()
     del core

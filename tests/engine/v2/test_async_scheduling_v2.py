@@ -84,6 +84,11 @@ def _run(
     return run
 
 
+def _first_occurrence(tokens: list[int], start: int) -> int:
+    """The first index >= start whose token does not occur earlier (start if none)."""
+    return next((i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i]), start)
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(0, 512, (16,), generator=gen).tolist()  # two full blocks
@@ -110,15 +115,19 @@ def test_async_v2_matches_sync_v2_and_v1_greedy(loaded: LoadedModel) -> None:
         async_scheduling=False,
     )
     ref = reference.outputs
-    # Stops placed from the free-running outputs, so that they really trigger mid-stream.
+    # Stops placed from the free-running outputs at a token's first occurrence, so that they
+    # trigger mid-stream at a known index whatever the random model repeats.
+    stop1, stop2 = _first_occurrence(ref["r1"], 4), _first_occurrence(ref["r2"], 6)
     requests = [
         EngineRequest("r0", prompts[0], free),
-        EngineRequest("r1", prompts[1], dataclasses.replace(free, stop_token_ids=(ref["r1"][4],))),
+        EngineRequest(
+            "r1", prompts[1], dataclasses.replace(free, stop_token_ids=(ref["r1"][stop1],))
+        ),
         EngineRequest(
             "r2",
             prompts[2],
             dataclasses.replace(free, ignore_eos=False),
-            eos_token_ids=(ref["r2"][6],),
+            eos_token_ids=(ref["r2"][stop2],),
         ),
         EngineRequest("r3", prompts[3], dataclasses.replace(free, max_tokens=5)),
         EngineRequest("r4", prompts[4], free),  # aborted after 3 tokens
@@ -138,9 +147,9 @@ def test_async_v2_matches_sync_v2_and_v1_greedy(loaded: LoadedModel) -> None:
     assert v2_async.stop_ids == v2_sync.stop_ids == v1.stop_ids
     out, finish = v2_async.outputs, v2_async.finish
     assert out["r0"] == ref["r0"] and finish["r0"] == FinishReason.LENGTH
-    assert out["r1"][-1] == ref["r1"][4] and finish["r1"] == FinishReason.STOP
-    assert v2_async.stop_ids["r1"] == ref["r1"][4]
-    assert out["r2"][-1] == ref["r2"][6] and finish["r2"] == FinishReason.STOP
+    assert out["r1"] == ref["r1"][: stop1 + 1] and finish["r1"] == FinishReason.STOP
+    assert v2_async.stop_ids["r1"] == ref["r1"][stop1]
+    assert out["r2"] == ref["r2"][: stop2 + 1] and finish["r2"] == FinishReason.STOP
     assert v2_async.stop_ids["r2"] is None  # EOS, not a stop token id
     assert out["r3"] == ref["r3"][:5] and out["r5"] == ref["r5"][:1]
     assert out["r4"] == ref["r4"][:3] and "r4" not in finish
