@@ -18,6 +18,7 @@ from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.engine_flags import load_logits_processors
 from davit_engine.loader import load_model
+from davit_engine.memory.allocator import configure_cuda_allocator
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import check_logits_processors
@@ -73,6 +74,8 @@ class EngineCore:
         load_logits_processors(config.logits_processors)
         self.config = config
         device = resolve_device(config)
+        if device.type == "cuda":
+            logger.info("CUDA allocator: %s", configure_cuda_allocator())
         kind, reason = select_runner(config, device)
         loaded = load_model(config, device)
         self.runner: ModelRunner = create_runner(kind, config, loaded, device)

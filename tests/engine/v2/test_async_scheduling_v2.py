@@ -187,16 +187,19 @@ def test_min_tokens_counts_the_placeholder(loaded: LoadedModel) -> None:
     one, or async steps would mask them one step too long."""
     config = _config(num_gpu_blocks=64)
     prompt = _prompts()[1]
-    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     (ref,) = _run(
         RunnerV2(config, loaded, DEVICE), config, [EngineRequest("m", prompt, free)], False
     ).outputs.values()
     # A stop token id (masked in the logits while min_tokens holds): the first token from
     # index 2 on that did not occur before; min_tokens lets it end the request exactly there.
-    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    k = _first_occurrence(ref, 2)
+    assert ref[k] not in ref[:k], f"the random model repeats {ref}: no fresh token to stop on"
     params = dataclasses.replace(free, stop_token_ids=(ref[k],), min_tokens=k)
     request = EngineRequest("m", prompt, params)
     sync = _run(RunnerV2(config, loaded, DEVICE), config, [request], False)
     async_ = _run(RunnerV2(config, loaded, DEVICE), config, [request], True)
-    assert sync.outputs["m"] == ref[: k + 1] and sync.finish["m"] == FinishReason.STOP
+    assert sync.outputs["m"] == ref[: k + 1], (sync.outputs["m"], ref, k) and sync.finish[
+        "m"
+    ] == FinishReason.STOP
     assert async_.outputs == sync.outputs and async_.finish == sync.finish
