@@ -168,8 +168,9 @@ def _sample_split_kernel(  # type: ignore[no-untyped-def]
         inv_t = _reciprocal(temperature)
         y = x * inv_t
         top = best * inv_t
-        mass = tl.sum(tl.exp(y - top), 0)
-        tl.store(part_mass_ptr + part, tl.where(top > float("-inf"), mass, 0.0))
+        finite = top > float("-inf")  # a slice of -inf logits has no mass
+        mass = tl.sum(tl.exp(y - tl.where(finite, top, 0.0)), 0)
+        tl.store(part_mass_ptr + part, tl.where(finite, mass, 0.0))
         tl.store(part_low_ptr + part, tl.min(tl.where(valid, y, float("inf")), 0))
     else:
         if (temperature > 0.0) & (top_k != 1):
@@ -494,7 +495,6 @@ def _filter_gather_kernel(  # type: ignore[no-untyped-def]
         m = tl.load(plan + _P_MAX)
         low = tl.load(plan + _P_LOW)
         high = tl.load(plan + _P_HIGH)
-        keep_from = tl.maximum(high, _min_p_threshold(m, min_p))
         idx = split * SPLIT + tl.arange(0, SPLIT)
         valid = idx < vocab_size
         row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
@@ -503,7 +503,9 @@ def _filter_gather_kernel(  # type: ignore[no-untyped-def]
         mass = 0.0
         if tl.max(above.to(tl.int32), 0) > 0:
             mass = tl.sum(tl.where(above, tl.exp(y - m), 0.0), 0)
-        keep = valid & (y >= keep_from)
+        # All kept: a row whose min-p threshold reaches HIGH was moved to the threshold mode,
+        # where HIGH is that threshold.
+        keep = above
         best = float("-inf")
         best_idx = vocab_size
         if tl.max(keep.to(tl.int32), 0) > 0:
