@@ -21,21 +21,24 @@ sort and without a pass per bisection step:
 
 1. The split pass also records each slice's maximum, minimum and softmax mass (relative to the
    slice maximum); the merge turns them into the row maximum and the row's total mass.
-2. Search passes (at most SEARCH_LEVELS): every program counts the tokens and sums the mass
-   above EDGES thresholds of its row; the last program of the row to finish adds the slices up
-   and keeps the one interval between neighbouring thresholds that holds the top-k / top-p
-   threshold. The first pass spreads the thresholds below the maximum, the next ones split the
-   kept interval evenly. The search stops as soon as the interval holds at most CANDIDATE_CAP
-   tokens (for top-k, the whole top set down to the interval must fit).
-3. The gather pass copies the interval's tokens into a per-row candidate list, races the tokens
-   above it (all kept), and sums their mass; the row's last program then finds the exact
-   thresholds among the candidates (bisection on the float's bit pattern, so ties and the k-th
-   value are exact), races the kept candidates and writes the token.
+2. Search passes (SEARCH_LEVELS launches; a row stops searching once it can): every program
+   counts the tokens and sums the mass at and above EDGES thresholds of its row; the last
+   program of the row to finish adds the slices up and keeps the interval between neighbouring
+   thresholds that holds the top-k threshold (rows with top-k) or the top-p threshold. The
+   first pass spreads its thresholds below the maximum, the next ones split the kept interval
+   evenly. The search stops as soon as the top set down to the interval's bottom, or for
+   top-p alone the interval itself, holds at most CANDIDATE_CAP tokens.
+3. The gather pass copies those tokens into a per-row candidate list; for an interval, it also
+   races the tokens above it (all kept) and sums their mass where they lie.
+4. The draw (one program per row) finds the exact thresholds among the candidates (bisection
+   on the float's bit pattern, so ties and the k-th value are exact), races the kept
+   candidates against the slices' winners and writes the token.
 
-A min-p threshold is known from the maximum alone, so a min-p-only row goes straight to the
-gather pass. A row the search cannot narrow enough (huge top-k, many equal logits) or whose
-candidate sums disagree with the search's by rounding takes the whole-row path: one program
-bisects on the value over the full row, as the reference does with a sort.
+A min-p threshold is known from the maximum alone, so a min-p-only row (or one whose min-p
+threshold lies above the search's interval) skips to the gather pass with it. A row the search
+cannot narrow enough (top-k above CANDIDATE_CAP, many equal logits) or whose candidate sums
+disagree with the search's by rounding takes the whole-row path in the draw: one program
+bisects on the value over the full row, each step one pass.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import triton.language as tl
 
 _SPLIT = 4096  # vocabulary slice per program
 _SUB = 256  # tokens per step inside a search program
+_GATHER_SUB = 1024  # tokens per step inside a gather program
 _EDGES = 8  # thresholds per search pass
 _SEARCH_DEPTH = 16.0  # the first pass's thresholds reach this far below the scaled maximum
 _SEARCH_LEVELS = 4  # search passes launched when a row has a filter
@@ -441,6 +445,79 @@ def _plan_next(  # type: ignore[no-untyped-def]
 @triton.jit
 def _filter_gather_kernel(  # type: ignore[no-untyped-def]
     logits_ptr,
+    part_score_ptr,
+    part_index_ptr,
+    part_mass_ptr,
+    plan_ptr,
+    plan_int_ptr,
+    cand_value_ptr,
+    cand_index_ptr,
+    cand_count_ptr,
+    row_slot_ptr,
+    seq_lens_ptr,
+    temperature_ptr,
+    seed_ptr,
+    stride_logits,
+    stride_params,
+    vocab_size,
+    num_splits,
+    SPLIT: tl.constexpr,
+    SUB: tl.constexpr,
+    CANDIDATE_CAP: tl.constexpr,
+):
+    # One program per (row, slice): race the slice's tokens at or above the interval top and
+    # sum their mass; append the interval's tokens to the row's candidate list. SUB tokens a
+    # step keep the registers (and so the programs per SM) of a streaming pass.
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    plan = plan_ptr + row * _PLAN_FLOATS
+    mode = tl.load(plan_int_ptr + row * _PLAN_INTS + _P_MODE)
+    if (mode == _MODE_GATHER) | (mode == _MODE_THRESHOLD):
+        param = tl.load(row_slot_ptr + row).to(tl.int64) * stride_params
+        inv_t = _reciprocal(tl.load(temperature_ptr + param))
+        seed = tl.load(seed_ptr + param).to(tl.uint32)
+        pos = tl.load(seq_lens_ptr + row).to(tl.uint32)
+        m = tl.load(plan + _P_MAX)
+        low = tl.load(plan + _P_LOW)
+        high = tl.load(plan + _P_HIGH)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
+        mass = 0.0
+        best = float("-inf")
+        best_idx = vocab_size
+        for start in range(0, SPLIT, SUB):
+            idx = split * SPLIT + start + tl.arange(0, SUB)
+            valid = idx < vocab_size
+            y = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) * inv_t
+            # All kept: a row whose min-p threshold reaches HIGH was moved to the threshold
+            # mode, where HIGH is that threshold.
+            above = valid & (y >= high)
+            if tl.max(above.to(tl.int32), 0) > 0:
+                mass += tl.sum(tl.where(above, tl.exp(y - m), 0.0), 0)
+                g = _gumbel(seed, pos, idx.to(tl.uint32))
+                score = tl.where(above, y + g, float("-inf"))
+                step_best = tl.max(score, 0)
+                step_idx = tl.min(tl.where(score == step_best, idx, vocab_size), 0)
+                better = step_best > best  # on a tie the earlier step's index is lower
+                best_idx = tl.where(better, step_idx, best_idx)
+                best = tl.where(better, step_best, best)
+            listed = valid & (y >= low) & (y < high)
+            num_listed = tl.sum(listed.to(tl.int32), 0)
+            if num_listed > 0:
+                first = tl.atomic_add(cand_count_ptr + row, num_listed)
+                at = first + tl.cumsum(listed.to(tl.int32), 0) - 1
+                fits = listed & (at < CANDIDATE_CAP)
+                dst = row.to(tl.int64) * CANDIDATE_CAP + at
+                tl.store(cand_value_ptr + dst, y, mask=fits)
+                tl.store(cand_index_ptr + dst, idx, mask=fits)
+        part = row * num_splits + split
+        tl.store(part_score_ptr + part, best)
+        tl.store(part_index_ptr + part, best_idx)
+        tl.store(part_mass_ptr + part, mass)
+
+
+@triton.jit
+def _filter_draw_kernel(  # type: ignore[no-untyped-def]
+    logits_ptr,
     out_ptr,
     part_score_ptr,
     part_index_ptr,
@@ -466,97 +543,55 @@ def _filter_gather_kernel(  # type: ignore[no-untyped-def]
     num_splits,
     max_model_len,
     COMMIT: tl.constexpr,
-    SPLIT: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     CANDIDATE_CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BISECT_STEPS: tl.constexpr,
     SEARCH_SPAN: tl.constexpr,
 ):
-    # One program per (row, slice): race the slice's tokens at or above the interval top (all
-    # kept, min-p aside) and sum their mass; append the interval's tokens to the row's
-    # candidate list. The row's last program then draws the token; a row that needs the
-    # whole-row path runs it in the row's first program.
+    # One program per filtered row: the token from the candidate list and the slices'
+    # winners, or from the whole-row path when the plan or the list cannot decide.
     row = tl.program_id(0)
-    split = tl.program_id(1)
     plan = plan_ptr + row * _PLAN_FLOATS
     plan_int = plan_int_ptr + row * _PLAN_INTS
     mode = tl.load(plan_int + _P_MODE)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     param = slot * stride_params
     pos = tl.load(seq_lens_ptr + row)
-    temperature = tl.load(temperature_ptr + param)
     top_k = tl.load(top_k_ptr + param)
     top_p = tl.load(top_p_ptr + param)
     min_p = tl.load(min_p_ptr + param)
     seed = tl.load(seed_ptr + param).to(tl.uint32)
-    whole_row = ((mode == _MODE_WHOLE_ROW) & (split == 0)).to(tl.int32)
+    whole_row = (mode == _MODE_WHOLE_ROW).to(tl.int32)
     if (mode == _MODE_GATHER) | (mode == _MODE_THRESHOLD):
-        m = tl.load(plan + _P_MAX)
-        low = tl.load(plan + _P_LOW)
-        high = tl.load(plan + _P_HIGH)
-        idx = split * SPLIT + tl.arange(0, SPLIT)
-        valid = idx < vocab_size
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
-        y = tl.load(row_ptr + idx, mask=valid, other=float("-inf")) * _reciprocal(temperature)
-        above = valid & (y >= high)
-        mass = 0.0
-        if tl.max(above.to(tl.int32), 0) > 0:
-            mass = tl.sum(tl.where(above, tl.exp(y - m), 0.0), 0)
-        # All kept: a row whose min-p threshold reaches HIGH was moved to the threshold mode,
-        # where HIGH is that threshold.
-        keep = above
-        best = float("-inf")
-        best_idx = vocab_size
-        if tl.max(keep.to(tl.int32), 0) > 0:
-            g = _gumbel(seed, pos.to(tl.uint32), idx.to(tl.uint32))
-            score = tl.where(keep, y + g, float("-inf"))
-            best = tl.max(score, 0)
-            best_idx = tl.min(tl.where(score == best, idx, vocab_size), 0)
-        listed = valid & (y >= low) & (y < high)
-        num_listed = tl.sum(listed.to(tl.int32), 0)
-        if num_listed > 0:
-            start = tl.atomic_add(cand_count_ptr + row, num_listed)
-            at = start + tl.cumsum(listed.to(tl.int32), 0) - 1
-            fits = listed & (at < CANDIDATE_CAP)
-            dst = row.to(tl.int64) * CANDIDATE_CAP + at
-            tl.store(cand_value_ptr + dst, y, mask=fits)
-            tl.store(cand_index_ptr + dst, idx, mask=fits)
-        part = row * num_splits + split
-        tl.store(part_score_ptr + part, best)
-        tl.store(part_index_ptr + part, best_idx)
-        tl.store(part_mass_ptr + part, mass)
-        tl.debug_barrier()  # every thread's stores precede the release below
-        if tl.atomic_add(plan_int + _P_DONE, 1) == num_splits - 1:
-            tl.store(plan_int + _P_DONE, 0)
-            whole_row = _draw_from_candidates(
-                plan,
-                plan_int,
-                mode,
-                row,
-                slot,
-                pos,
-                top_k,
-                top_p,
-                min_p,
-                seed,
-                part_score_ptr,
-                part_index_ptr,
-                part_mass_ptr,
-                cand_value_ptr,
-                cand_index_ptr,
-                cand_count_ptr,
-                out_ptr,
-                needs_sample_ptr,
-                token_table_ptr,
-                stride_token_table,
-                vocab_size,
-                num_splits,
-                max_model_len,
-                COMMIT,
-                SPLITS_PAD,
-                CANDIDATE_CAP,
-            )
+        whole_row = _draw_from_candidates(
+            plan,
+            plan_int,
+            mode,
+            row,
+            slot,
+            pos,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            part_score_ptr,
+            part_index_ptr,
+            part_mass_ptr,
+            cand_value_ptr,
+            cand_index_ptr,
+            cand_count_ptr,
+            out_ptr,
+            needs_sample_ptr,
+            token_table_ptr,
+            stride_token_table,
+            vocab_size,
+            num_splits,
+            max_model_len,
+            COMMIT,
+            SPLITS_PAD,
+            CANDIDATE_CAP,
+        )
     if whole_row != 0:
         tl.store(plan_int + _P_MODE, _MODE_WHOLE_ROW)
         _sample_filtered_row(
@@ -567,7 +602,7 @@ def _filter_gather_kernel(  # type: ignore[no-untyped-def]
             row,
             slot,
             pos,
-            temperature,
+            tl.load(temperature_ptr + param),
             top_k,
             top_p,
             min_p,
@@ -646,24 +681,20 @@ def _draw_from_candidates(  # type: ignore[no-untyped-def]
     splits = tl.arange(0, SPLITS_PAD)
     in_row = splits < num_splits
     part = row * num_splits + splits
-    score = tl.load(part_score_ptr + part, mask=in_row, other=float("-inf"), cache_modifier=".cg")
-    index = tl.load(part_index_ptr + part, mask=in_row, other=vocab_size, cache_modifier=".cg")
-    mass_above = tl.sum(
-        tl.load(part_mass_ptr + part, mask=in_row, other=0.0, cache_modifier=".cg"), 0
-    )
+    score = tl.load(part_score_ptr + part, mask=in_row, other=float("-inf"))
+    index = tl.load(part_index_ptr + part, mask=in_row, other=vocab_size)
+    mass_above = tl.sum(tl.load(part_mass_ptr + part, mask=in_row, other=0.0), 0)
     best = tl.max(score, 0)
     token = tl.min(tl.where(score == best, index, vocab_size), 0)
-    num = tl.load(cand_count_ptr + row, cache_modifier=".cg")
+    num = tl.load(cand_count_ptr + row)
     failed = (num > CANDIDATE_CAP).to(tl.int32)
     if (mode == _MODE_GATHER) & (num <= CANDIDATE_CAP):
         m = tl.load(plan + _P_MAX)
         slots = tl.arange(0, CANDIDATE_CAP)
         listed = slots < num
         src = row.to(tl.int64) * CANDIDATE_CAP + slots
-        value = tl.load(
-            cand_value_ptr + src, mask=listed, other=float("-inf"), cache_modifier=".cg"
-        )
-        ids = tl.load(cand_index_ptr + src, mask=listed, other=0, cache_modifier=".cg")
+        value = tl.load(cand_value_ptr + src, mask=listed, other=float("-inf"))
+        ids = tl.load(cand_index_ptr + src, mask=listed, other=0)
         key = _key(value)
         weight = tl.where(listed, tl.exp(value - m), 0.0)
         top_k_on = (top_k > 0) & (top_k < vocab_size)
@@ -1000,6 +1031,30 @@ def sample_with_paths(
         )
     _filter_gather_kernel[(num_rows, num_splits)](
         logits,
+        score,
+        index,
+        mass,
+        plan,
+        plan_int,
+        f["cand_value"],
+        i["cand_index"],
+        cand_count,
+        row_slot,
+        positions,
+        table.temperature,
+        table.seed,
+        logits.stride(0),
+        stride_params,
+        vocab_size,
+        num_splits,
+        SPLIT=split,
+        SUB=min(_GATHER_SUB, split),
+        CANDIDATE_CAP=cap,
+        num_warps=4,
+        enable_fp_fusion=False,  # y + Gumbel rounded like the reference
+    )
+    _filter_draw_kernel[(num_rows,)](
+        logits,
         out,
         score,
         index,
@@ -1025,7 +1080,6 @@ def sample_with_paths(
         num_splits,
         token_table.shape[1] if commit else 0,
         COMMIT=commit,
-        SPLIT=split,
         SPLITS_PAD=splits_pad,
         CANDIDATE_CAP=cap,
         BLOCK_V=2048,

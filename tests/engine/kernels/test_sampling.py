@@ -374,8 +374,11 @@ def test_draws_ignore_how_the_vocabulary_is_split(
     logits = torch.randn(4, 2500, device=device) * 2
     table = _table(device, top_k=[0, 20, 0, 0], top_p=[0.9, 0.8, 1.0, 1.0], min_p=[0, 0, 0.1, 0])
     draws = []
-    for split, cap in ((128, 4096), (512, 64), (4096, 4096)):
+    # (slice, tokens per step in the search and gather programs, candidate list)
+    for split, sub, cap in ((128, 128, 4096), (512, 64, 64), (4096, 4096, 4096)):
         monkeypatch.setattr(sampling, "_SPLIT", split)
+        monkeypatch.setattr(sampling, "_SUB", sub)
+        monkeypatch.setattr(sampling, "_GATHER_SUB", sub)
         monkeypatch.setattr(sampling, "_CANDIDATE_CAP", cap)
         draws.append(_draw(logits, table)[0])
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[1], draws[2])
