@@ -24,7 +24,9 @@ def core() -> EngineCore:
     # 1024 tokens of one sequence: the attention scores alone ([4, 1024, 1024] fp32, 16 MiB) are
     # fresh pages, so the resident-set peak sees the forward whatever the heap already holds.
     return EngineCore(
-        EngineConfig(model=TINY, dtype="float32", max_num_seqs=8, max_num_batched_tokens=1024)
+        EngineConfig(
+            model=TINY, dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=1024
+        )
     )
 
 
@@ -52,14 +54,14 @@ def test_profile_measures_each_component(core: EngineCore) -> None:
 
 def test_explicit_kv_bytes_skip_the_search_but_are_checked() -> None:
     config = EngineConfig(
-        model=TINY, dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=1 << 20
+        model=TINY, dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory_bytes=1 << 20
     )
     core = EngineCore(config)
     profile = core.memory_profile
     assert profile is not None and profile.memory.kv_source == "explicit"
     assert profile.memory.kv_cache_bytes == 1 << 20
     assert core.model_info.num_blocks == (1 << 20) // profile.memory.block_bytes
-    too_big = EngineConfig(model=TINY, dtype="float32", kv_cache_memory_bytes=1 << 50)
+    too_big = EngineConfig(model=TINY, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 50)
     with pytest.raises(ParamError) as err:
         EngineCore(too_big)
     assert err.value.param == "--kv-cache-memory-bytes"
@@ -68,7 +70,9 @@ def test_explicit_kv_bytes_skip_the_search_but_are_checked() -> None:
 
 def test_no_room_names_the_utilization_flag() -> None:
     with pytest.raises(ParamError) as err:
-        EngineCore(EngineConfig(model=TINY, dtype="float32", gpu_memory_utilization=1e-6))
+        EngineCore(
+            EngineConfig(model=TINY, dtype="float32", device="cpu", gpu_memory_utilization=1e-6)
+        )
     assert err.value.param == "--gpu-memory-utilization"
     assert "no memory left for the KV cache" in err.value.message
 
@@ -87,6 +91,8 @@ def test_profile_only_prints_writes_and_serves_nothing(tmp_path: Path) -> None:
             TINY,
             "--dtype",
             "float32",
+            "--device",
+            "cpu",
             "--port",
             str(port),
             "--max-num-seqs",

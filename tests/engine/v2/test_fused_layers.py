@@ -55,7 +55,9 @@ def test_fused_layers_keep_the_model_output(
         ]
         meta = _prefill_meta(device, num_tokens, num_blocks, backend)
         with torch.inference_mode():
-            outs.append(net.compute_logits(net(ids, torch.arange(num_tokens), caches, meta)))
+            outs.append(
+                net.compute_logits(net(ids, torch.arange(num_tokens, device=device), caches, meta))
+            )
         caches_out.append(torch.stack(caches))
     assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert torch.allclose(caches_out[0], caches_out[1], atol=1e-5, rtol=1e-5)
