@@ -55,7 +55,7 @@ _GATHER_SUB = 1024  # tokens per step inside a gather program
 _EDGES = 8  # thresholds per search pass
 _SEARCH_DEPTH = 16.0  # the first pass's thresholds reach this far below the scaled maximum
 _SEARCH_LEVELS = 4  # search passes launched when a row has a filter
-_CANDIDATE_CAP = 4096  # tokens a row may carry into its exact threshold search
+_CANDIDATE_CAP = 8192  # tokens a row may carry into its exact threshold search
 _BISECT_STEPS = 32  # whole-row path
 _SEARCH_SPAN = 1000.0  # whole-row path: scaled-logit distance below the maximum where it starts
 
@@ -1085,7 +1085,7 @@ def sample_with_paths(
         BLOCK_V=2048,
         BISECT_STEPS=_BISECT_STEPS,
         SEARCH_SPAN=_SEARCH_SPAN,
-        num_warps=8,
+        num_warps=16,  # the candidate list in registers: 16 values a thread at 8192
         enable_fp_fusion=False,
     )
     plan_rows = plan_int.view(num_rows, _PLAN_INTS.value)

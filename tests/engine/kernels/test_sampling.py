@@ -401,6 +401,26 @@ def test_top_p_keeps_the_smallest_top_set(
     assert abs(float(counts[50]) / n - 4 / 7) < 0.1
 
 
+def test_real_vocab_default_search(device: torch.device) -> None:
+    """The module's own slice, thresholds and list size at a 151,936-token vocabulary: a peaked
+    row (a few tokens carry the mass), a randn*3 row and a flat row with top-p 0.9 all end in
+    the candidate list, the flat one after the most search passes, and draw the reference's
+    token."""
+    torch.manual_seed(14)
+    vocab = 151_936
+    logits = (
+        torch.randn(3, vocab, device=device) * torch.tensor([2.5, 3.0, 1.0], device=device)[:, None]
+    )
+    logits[0, torch.randint(0, vocab, (20,), device=device)] += torch.linspace(
+        8, 18, 20, device=device
+    )
+    table = _table(device, top_p=[0.9, 0.9, 0.9], top_k=[50, 0, 0])
+    ours, ref, paths, passes = _draw(logits, table, position=3)
+    assert torch.equal(ours, ref)
+    assert paths == ["candidates"] * 3
+    assert passes[0] == 1 and 1 <= passes[1] <= passes[2] < sampling._SEARCH_LEVELS
+
+
 @pytest.mark.gpu
 def test_real_vocab_filtered_rows_match_reference(device: torch.device) -> None:
     """152k vocabulary, peaked and flat rows, each filter: nearly every draw equals the
