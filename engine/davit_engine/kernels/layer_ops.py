@@ -23,6 +23,8 @@ def _round(x, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
 @triton.jit
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
+    residual_ptr,
+    sum_ptr,
     weight_ptr,
     out_ptr,
     num_rows,
@@ -33,6 +35,7 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
@@ -40,26 +43,34 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     mask = row_valid[:, None] & (dims[None, :] < DIM)
     src = (rows // num_heads).to(tl.int64) * stride_t + (rows % num_heads) * stride_h
     x = tl.load(x_ptr + src[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    dst = rows.to(tl.int64)[:, None] * DIM + dims[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if ADD_RESIDUAL:  # the residual stream, materialised like torch's `a + b`, then normed
+        r = tl.load(residual_ptr + dst, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, dtype)
+        tl.store(sum_ptr + dst, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, 1) / DIM
-    normed = _round(x * tl.rsqrt(variance + eps)[:, None], out_ptr.dtype.element_ty)
+    normed = _round(x * tl.rsqrt(variance + eps)[:, None], dtype)
     w = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
-    dst = out_ptr + rows.to(tl.int64)[:, None] * DIM + dims[None, :]
-    tl.store(dst, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst, (normed * w[None, :]).to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim of a 2-D `[T, D]` or 3-D
-    `[T, H, D]` view (last dim contiguous); returns a contiguous tensor of x's shape."""
-    assert x.stride(-1) == 1 and x.dim() in (2, 3)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _launch_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    total: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    num_rows: int,
+    num_heads: int,
+    eps: float,
+) -> None:
     dim = x.shape[-1]
-    num_heads = x.shape[1] if x.dim() == 3 else 1
-    num_rows = x.shape[0] * num_heads
-    if num_rows == 0:
-        return out
     rows = 4 if dim > 2048 else 16
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x,
+        residual if residual is not None else x,
+        total if total is not None else out,
         weight,
         out,
         num_rows,
@@ -70,9 +81,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim),
         ROWS=rows,
+        ADD_RESIDUAL=residual is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no fused multiply-add: keep torch's rounding
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim of a 2-D `[T, D]` or 3-D
+    `[T, H, D]` view (last dim contiguous); returns a contiguous tensor of x's shape."""
+    assert x.stride(-1) == 1 and x.dim() in (2, 3)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_heads = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.shape[0] * num_heads
+    if num_rows == 0:
+        return out
+    _launch_rms_norm(x, None, None, weight, out, num_rows, num_heads, eps)
     return out
 
 
@@ -81,34 +105,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-@triton.jit
-def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    sum_ptr,
-    num_rows,
-    eps,
-    DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (rows < num_rows)[:, None] & (dims[None, :] < DIM)
-    offs = rows.to(tl.int64)[:, None] * DIM + dims[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    total = _round(x + r, dtype)  # the residual stream, materialised like torch's `a + b`
-    tl.store(sum_ptr + offs, total.to(dtype), mask=mask)
-    variance = tl.sum(total * total, 1) / DIM
-    normed = _round(total * tl.rsqrt(variance + eps)[:, None], dtype)
-    w = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (normed * w[None, :]).to(dtype), mask=mask)
 
 
 def add_rms_norm(
@@ -123,24 +119,10 @@ def add_rms_norm(
     assert x.dim() == 2 and x.dtype == residual.dtype
     out = torch.empty_like(x)
     total = torch.empty_like(x)
-    num_rows, dim = x.shape
+    num_rows = x.shape[0]
     if num_rows == 0:
         return out, total
-    rows = 4 if dim > 2048 else 16
-    _add_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x,
-        residual,
-        weight,
-        out,
-        total,
-        num_rows,
-        eps,
-        DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim),
-        ROWS=rows,
-        num_warps=4,
-        enable_fp_fusion=False,
-    )
+    _launch_rms_norm(x, residual, total, weight, out, num_rows, 1, eps)
     return out, total
 
 
