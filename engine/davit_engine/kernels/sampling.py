@@ -74,15 +74,15 @@ _P_HIGH = tl.constexpr(3)  # interval top (+inf: none above)
 _P_COUNT_HIGH = tl.constexpr(4)  # tokens with y >= HIGH
 _P_MASS_HIGH = tl.constexpr(5)  # their mass
 _P_COUNT_LOW = tl.constexpr(6)  # tokens with y >= LOW
-_P_MASS_LOW = tl.constexpr(7)
+_P_MASS_LOW = tl.constexpr(7)  # their mass
 _PLAN_FLOATS = tl.constexpr(8)
 # Int columns.
 _P_MODE = tl.constexpr(0)
-_P_GREEDY = tl.constexpr(1)
+_P_GREEDY = tl.constexpr(1)  # argmax: drawn when every kept score is -inf
 _P_PASSES = tl.constexpr(2)  # search passes the row has used
 _P_DONE = tl.constexpr(3)  # programs of the row that finished the current pass
 _PLAN_INTS = tl.constexpr(4)
-_NO_KEY = tl.constexpr(-2147483647)  # below every float's key
+_NO_KEY = tl.constexpr(-2147483647)  # below the key of every float but NaN
 
 
 @triton.jit
@@ -698,7 +698,7 @@ def _draw_from_candidates(  # type: ignore[no-untyped-def]
         key = _key(value)
         weight = tl.where(listed, tl.exp(value - m), 0.0)
         top_k_on = (top_k > 0) & (top_k < vocab_size)
-        k_key = tl.full([], -2147483647, tl.int32)
+        k_key = tl.full([], _NO_KEY, tl.int32)
         if top_k_on:
             # The list holds the whole top set (nothing above it was left out).
             failed = tl.maximum(failed, (num < top_k).to(tl.int32))
@@ -938,7 +938,10 @@ def sample_with_paths(
             "cand_index": num_rows * cap,
             "cand_count": num_rows,
         }
-    f = _carve(torch.empty(sum(float_sizes.values()), device=logits.device), float_sizes)
+    f = _carve(
+        torch.empty(sum(float_sizes.values()), dtype=torch.float32, device=logits.device),
+        float_sizes,
+    )
     i = _carve(
         torch.empty(sum(int_sizes.values()), dtype=torch.int32, device=logits.device), int_sizes
     )
