@@ -17,9 +17,10 @@ With `--base-url` the same clients measure a server that is already running (a r
 `davit serve`); tokens are then counted from each stream's usage, and `--api-pid` names the
 API process whose CPU use to report.
 
-The clients read the chunked SSE responses themselves by default (`--client raw`): httpx
-costs tens of microseconds per received event, so one client process could not read as fast
-as the server writes one event per token; `--client httpx` is there to compare.
+The clients read the SSE responses with the lean reader of `bench.sse_client` by default
+(`--client raw`): httpx costs tens of microseconds per received event, so one client process
+could not read as fast as the server writes one event per token; `--client httpx` is there to
+compare.
 
 Prints its configuration, then one JSON line with the results.
 """
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import davit_engine
+from davit_engine.bench.sse_client import Endpoint, HTTPStatusError, SSEConnection
 from davit_engine.config import EngineConfig
 from davit_engine.types import (
     EngineRequest,
@@ -282,7 +284,7 @@ def _body(args: argparse.Namespace, i: int) -> tuple[str, dict[str, Any]]:
 
 
 class _StreamCounter:
-    """Counts one stream's tokens and the gaps between its events, fed one SSE data line each.
+    """Counts one stream's tokens and the gaps between its events, fed one SSE event's data each.
 
     Against `StreamCore` every token is one character, so the text itself is counted and
     checked against the usage; against another server only the usage counts tokens.
@@ -296,9 +298,9 @@ class _StreamCounter:
         self.last: float | None = None
         self.result = StreamResult(ok=False)
 
-    def feed(self, data: str) -> bool:
-        """Take one event's data; False once the stream carried an error."""
-        if data == "[DONE]":
+    def feed(self, data: bytes, arrived: float) -> bool:
+        """Take one event's data and when it arrived; False once the stream carried an error."""
+        if data == b"[DONE]":
             return True
         chunk = json.loads(data)
         if "error" in chunk:
@@ -312,12 +314,11 @@ class _StreamCounter:
         text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
         if not text:
             return True
-        now = time.perf_counter()
         if self.last is None:
-            self.result.ttft_s = now - self.start
+            self.result.ttft_s = arrived - self.start
         else:
-            self.result.itls_s.append(now - self.last)
-        self.last = now
+            self.result.itls_s.append(arrived - self.last)
+        self.last = arrived
         self.num_chars += len(text)
         self.result.events += 1
         return True
@@ -346,63 +347,23 @@ async def _httpx_stream(
             counter.result.error = f"HTTP {response.status_code}: {detail}"
             return counter.result
         async for line in response.aiter_lines():
-            if line.startswith("data: ") and not counter.feed(line[6:]):
+            if line.startswith("data: ") and not counter.feed(
+                line[6:].encode(), time.perf_counter()
+            ):
                 break
     return counter.finish()
 
 
-class _RawConnection:
-    """One keep-alive HTTP/1.1 connection that reads chunked SSE responses itself.
-
-    httpx spends tens of microseconds on every chunk it receives; with one event per token a
-    single client process could then not read as fast as the server writes. This reads the
-    chunked framing with a handful of buffer operations per event.
-    """
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def stream(self, path: str, body: dict[str, Any], chars_are_tokens: bool) -> StreamResult:
-        if self._reader is None or self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self._reader, self._writer
-        payload = json.dumps(body).encode()
-        counter = _StreamCounter(body["max_tokens"], chars_are_tokens)
-        writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-        status = int(head.split(" ", 2)[1])
-        headers = {
-            name.strip().lower(): value.strip()
-            for name, _, value in (line.partition(":") for line in head.split("\r\n")[1:])
-        }
-        if headers.get("transfer-encoding") != "chunked":
-            detail = await reader.readexactly(int(headers.get("content-length", "0")))
-            counter.result.error = f"HTTP {status}: {detail.decode(errors='replace')[:300]}"
-            return counter.result
-        pending = b""
-        ok = True
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                break
-            pending += (await reader.readexactly(size + 2))[:-2]
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if ok and event.startswith(b"data: "):
-                    ok = counter.feed(event[6:].decode())
-        return counter.finish()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._reader = self._writer = None
+async def _raw_stream(
+    connection: SSEConnection, path: str, body: dict[str, Any], chars_are_tokens: bool
+) -> StreamResult:
+    counter = _StreamCounter(body["max_tokens"], chars_are_tokens)
+    try:
+        await connection.post(path, body, counter.feed)
+    except HTTPStatusError as exc:
+        counter.result.error = str(exc)
+        return counter.result
+    return counter.finish()
 
 
 async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[StreamResult], float]:
@@ -417,7 +378,7 @@ async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[St
     chars_are_tokens = args.base_url is None
     results: list[StreamResult] = []
     next_index = iter(range(args.num_requests))
-    host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
+    endpoint = Endpoint.from_url(base_url)
 
     async def httpx_worker() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
@@ -428,11 +389,11 @@ async def _run_clients(args: argparse.Namespace, base_url: str) -> tuple[list[St
                     results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
 
     async def raw_worker() -> None:
-        connection = _RawConnection(host, int(port or 80))
+        connection = SSEConnection(endpoint)
         try:
             for i in next_index:
                 try:
-                    stream = connection.stream(*bodies[i], chars_are_tokens)
+                    stream = _raw_stream(connection, *bodies[i], chars_are_tokens)
                     results.append(await asyncio.wait_for(stream, args.timeout))
                 except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
                     results.append(StreamResult(False, error=f"{type(exc).__name__}: {exc}"))
