@@ -1179,6 +1179,11 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
                 runner=runner,
                 async_scheduling=runner in ("v2-graphs", "v2-eager"),
                 **{k: r.get(k) for k in ("ttft_s", "tpot_s", "itl_s", "output_tokens_per_s")},
+                # whether the load generator kept up (a busy client reads late, in bursts)
+                **{
+                    k: r.get(k)
+                    for k in ("tokens_per_chunk", "client_cpu_util", "client_cpu_us_per_token")
+                },
             )
     finally:
         server.terminate()
