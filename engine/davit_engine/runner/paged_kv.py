@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from davit_engine.config import EngineConfig
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata
 from davit_engine.loader import ModelConfig
 from davit_engine.models.llama import LlamaForCausalLM
+from davit_engine.runner.base import ModelRunner
 
 
 def allocate_kv_caches(
@@ -49,3 +51,35 @@ def dummy_prefill(
     with torch.inference_mode():
         hidden = model(torch.zeros_like(positions), positions, caches, meta)
         model.compute_logits(hidden[-min(num_tokens, num_logit_rows) :])
+
+
+class PagedKvRunner(ModelRunner):
+    """What runner V1 and runner V2 share about their paged KV cache: the size of one block and
+    the dummy prefill the memory profiler measures."""
+
+    config: EngineConfig
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    backend: AttentionBackend
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers (keys and values)."""
+        c = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+
+    def _dummy_prefill(self, num_tokens: int) -> None:
+        dummy_prefill(
+            self.model,
+            self.model_config,
+            self.backend,
+            num_tokens,
+            self.config.max_num_seqs,
+            self.block_size,
+            self.dtype,
+            self.device,
+        )

@@ -20,8 +20,7 @@ from davit_engine.layers.cpu_linear import can_prepack, prepack_linears
 from davit_engine.loader import LoadedModel
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache
-from davit_engine.runner.base import ModelRunner
-from davit_engine.runner.paged_kv import allocate_kv_caches, dummy_prefill
+from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
 from davit_engine.runner.sampler import Sampler
 from davit_engine.types import TokenLogprob
 
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = CPU_KV_CAP_BYTES
 
 
-class RunnerV1(ModelRunner):
+class RunnerV1(PagedKvRunner):
     name = "v1"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
@@ -56,29 +55,10 @@ class RunnerV1(ModelRunner):
 
     # ---- KV cache sizing ----------------------------------------------------------------------
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (keys and values)."""
-        c = self.model_config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
-
     def determine_num_blocks(self) -> int:
         """Measured by `davit_engine.memory` (RSS on the CPU); the profile is kept."""
-        self.memory_profile = size_kv_cache(self, self._dummy_forward)
+        self.memory_profile = size_kv_cache(self, self._dummy_prefill)
         return self.memory_profile.memory.num_blocks
-
-    def _dummy_forward(self, num_tokens: int) -> None:
-        dummy_prefill(
-            self.model,
-            self.model_config,
-            self.backend,
-            num_tokens,
-            self.config.max_num_seqs,
-            self.block_size,
-            self.dtype,
-            self.device,
-        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config

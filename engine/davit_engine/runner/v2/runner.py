@@ -28,8 +28,7 @@ from davit_engine.loader import LoadedModel
 from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
-from davit_engine.runner.base import ModelRunner
-from davit_engine.runner.paged_kv import allocate_kv_caches, dummy_prefill
+from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
 from davit_engine.runner.v2.pending import PendingStep
@@ -41,7 +40,7 @@ logger = logging.getLogger(__name__)
 _PENDING_BUFFERS = 4  # pinned output buffers; a fifth step in flight settles the oldest
 
 
-class RunnerV2(ModelRunner):
+class RunnerV2(PagedKvRunner):
     """See the module docstring. Same constructor as RunnerV1.
 
     Async contract: `execute_async(batch_n)` may be called before `result()` of step n-1 is
@@ -84,12 +83,6 @@ class RunnerV2(ModelRunner):
 
     # ---- KV cache sizing ----------------------------------------------------------------------
 
-    @property
-    def block_bytes(self) -> int:
-        c = self.model_config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
-
     def determine_num_blocks(self) -> int:
         """Measured by `davit_engine.memory`: real probe steps for the activation peak, CUDA
         graphs included; the profile and the probe steps are kept."""
@@ -106,18 +99,6 @@ class RunnerV2(ModelRunner):
     def _probe_steps(self) -> int:
         self.step_probe = probe_v2_steps(self)
         return self.step_probe.peak_bytes
-
-    def _dummy_prefill(self, num_tokens: int) -> None:
-        dummy_prefill(
-            self.model,
-            self.model_config,
-            self.backend,
-            num_tokens,
-            self.config.max_num_seqs,
-            self.block_size,
-            self.dtype,
-            self.device,
-        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
