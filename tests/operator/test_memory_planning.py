@@ -261,11 +261,7 @@ def test_graph_estimate_against_the_h200_measurements() -> None:
 
     rows = [json.loads(line) for line in (PROFILES / "h200-memory-check.jsonl").open()]
     shared = [r for r in rows if r.get("graph_logits") == "shared" and "measured" in r]
-    if not shared:
-        pytest.skip(
-            "no memory-check rows with shared graph logits yet (python -m "
-            "davit_engine.memory.gpu_check on a GPU writes them)"
-        )
+    assert shared, "h200-memory-check.jsonl holds no run with shared graph logits"
     for row in shared:
         shape = SHAPES.shapes[row["shape"]]
         measured = row["measured"]["cuda_graph_bytes"] + row["graph_logits_buffer_bytes"]

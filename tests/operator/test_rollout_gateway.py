@@ -15,6 +15,7 @@ import pytest
 import yaml
 from isvc_cluster import apply_yaml, wait_for
 from isvc_helpers import merge
+from tests.support import unavailable
 
 from davit_operator.rollout.gateway import routes_to, weighted_rules
 
@@ -72,9 +73,9 @@ def _httproute_crd() -> Path:
             env={**os.environ, "GOFLAGS": "-mod=mod"},
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"no Go toolchain to fetch {GATEWAY_API}: {exc}")
+        unavailable(f"no Go toolchain to fetch {GATEWAY_API}: {exc}")
     if out.returncode != 0:
-        pytest.skip(f"{GATEWAY_API} not available: {out.stderr.strip()[:300]}")
+        unavailable(f"{GATEWAY_API} not available: {out.stderr.strip()[:300]}")
     directory = Path(json.loads(out.stdout)["Dir"])
     return directory / "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
 

