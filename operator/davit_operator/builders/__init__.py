@@ -79,7 +79,8 @@ def _probe(path: str, period: int, failure_threshold: int) -> dict[str, Any]:
     }
 
 
-def _container(plan: Plan) -> dict[str, Any]:
+def engine_volume_mounts(plan: Plan) -> list[dict[str, Any]]:
+    """The engine container's mounts: model cache, shared memory, read-only model volumes."""
     mounts: list[dict[str, Any]] = [
         {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -88,6 +89,28 @@ def _container(plan: Plan) -> dict[str, Any]:
         {"name": m.volume_name, "mountPath": m.mount_path, "readOnly": True}
         for m in plan.invocation.model_mounts
     ]
+    return mounts
+
+
+def engine_volumes(plan: Plan) -> list[dict[str, Any]]:
+    """The pod volumes behind `engine_volume_mounts`."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": {}},
+        # Tensor-parallel workers exchange tensors through shared memory.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    volumes += [
+        {
+            "name": m.volume_name,
+            "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True},
+        }
+        for m in plan.invocation.model_mounts
+    ]
+    return volumes
+
+
+def _container(plan: Plan) -> dict[str, Any]:
+    mounts = engine_volume_mounts(plan)
     return {
         "name": "engine",
         "image": plan.image.reference,
@@ -107,18 +130,7 @@ def _container(plan: Plan) -> dict[str, Any]:
 
 def deployment(plan: Plan, owner: Owner) -> dict[str, Any]:
     """The engine Deployment."""
-    volumes: list[dict[str, Any]] = [
-        {"name": "model-cache", "emptyDir": {}},
-        # Tensor-parallel workers exchange tensors through shared memory.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
-    volumes += [
-        {
-            "name": m.volume_name,
-            "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True},
-        }
-        for m in plan.invocation.model_mounts
-    ]
+    volumes = engine_volumes(plan)
     pod_spec: dict[str, Any] = {
         "containers": [_container(plan)],
         "volumes": volumes,

@@ -14,9 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from davit_operator.api import GROUP
-from davit_operator.builders import MANAGED_BY, Owner, owner_reference
+from davit_operator.builders import (
+    MANAGED_BY,
+    Owner,
+    engine_volume_mounts,
+    engine_volumes,
+    owner_reference,
+)
 from davit_operator.planning import Plan
-from davit_operator.planning.args import MODEL_CACHE_DIR
 from davit_operator.planning.memory import KV_FLAG
 
 PROFILE_IDENTITY_LABEL = f"{GROUP}/profile-identity"
@@ -57,25 +62,8 @@ def profile_job(plan: Plan, owner: Owner, identity_hash: str) -> dict[str, Any]:
     env = list(plan.invocation.env)
     env.append({"name": IMAGE_DIGEST_ENV, "value": plan.image.digest or plan.image.reference})
     env.append({"name": MODEL_REVISION_ENV, "value": plan.spec.model.revision or ""})
-    mounts: list[dict[str, Any]] = [
-        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
-    mounts += [
-        {"name": m.volume_name, "mountPath": m.mount_path, "readOnly": True}
-        for m in plan.invocation.model_mounts
-    ]
-    volumes: list[dict[str, Any]] = [
-        {"name": "model-cache", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
-    volumes += [
-        {
-            "name": m.volume_name,
-            "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True},
-        }
-        for m in plan.invocation.model_mounts
-    ]
+    mounts = engine_volume_mounts(plan)
+    volumes = engine_volumes(plan)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [
