@@ -1077,48 +1077,6 @@ def section_async(args: argparse.Namespace) -> None:
             free_memory()
 
 
-def section_w2prefetch(args: argparse.Namespace) -> None:
-    """W2 (async engine loop, V2 graphs) once per L2 prefetch plan; greedy tokens must match the
-    first plan's (a prefetch changes no value)."""
-    from davit_engine.runner.v2.fused_layers import PREFETCH_ENV, PrefetchPlan
-
-    before = os.environ.get(PREFETCH_ENV)
-    baseline: dict[str, list[int]] | None = None
-    try:
-        for text in args.w2_prefetch_plans.split(";"):
-            os.environ[PREFETCH_ENV] = text
-            core = make_core(
-                args.w2_model, "v2", False, "bfloat16", max_num_seqs=8,
-                max_num_batched_tokens=2048, max_model_len=2048,
-            )  # fmt: skip
-            vocab = core.model_info.vocab_size
-            warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
-            _engine_loop(core, warm)
-            res = _engine_loop(core, random_requests(1, [1024], [256], vocab, 0, 0.0))
-            outputs = res.pop("outputs")
-            baseline = baseline if baseline is not None else outputs
-            decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
-            record(
-                "w2_prefetch",
-                model=args.w2_model,
-                runner="v2-graphs",
-                async_scheduling=True,
-                plan=str(PrefetchPlan.parse(text)),
-                decode_tok_s=decode,
-                floor_share=round(decode / args.w2_floor, 3) if args.w2_floor else None,
-                same_tokens_as_first_plan=outputs == baseline,
-                **res,
-            )
-            core.shutdown()
-            del core
-            free_memory()
-    finally:
-        if before is None:
-            os.environ.pop(PREFETCH_ENV, None)
-        else:
-            os.environ[PREFETCH_ENV] = before
-
-
 def section_w3(args: argparse.Namespace) -> None:
     """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner."""
     for i, runner in enumerate(args.w3_runners.split(",")):
@@ -1250,7 +1208,6 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "ceiling": section_ceiling,
     "async": section_async,
     "w3": section_w3,
-    "w2prefetch": section_w2prefetch,
 }
 
 
@@ -1281,13 +1238,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w2-runners", default="v2-graphs")
     parser.add_argument(
         "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
-    )
-    parser.add_argument(
-        "--w2-prefetch-plans", default="off;o;o,gate_up=16,down=8,qkv=16,lm_head=16",
-        help="';'-separated L2 prefetch plans for the w2prefetch section",
-    )  # fmt: skip
-    parser.add_argument(
-        "--w2-floor", type=float, default=279.8, help="W2 bandwidth floor in decode tok/s"
     )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")

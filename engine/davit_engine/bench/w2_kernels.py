@@ -4,21 +4,18 @@
 included): the library GEMM for every linear shape of the model at 1 and 8 rows (weights cycled
 beyond the L2 cache, as in a real step); decode attention at 1,152 keys for several split counts; the fused residual
 add + RMSNorm against the two separate kernels; rotary with the KV-cache write fused against
-rotary then `write_kv`; the L2 weight prefetch (kernels/l2_prefetch.py) ahead of the o and
-gate-up projections, against none. CUDA only.
+rotary then `write_kv`. CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from collections.abc import Callable
 
 import torch
 
 from davit_engine.kernels.kv_cache import write_kv
-from davit_engine.kernels.l2_prefetch import l2_prefetch
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
 from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
 
@@ -136,74 +133,11 @@ def elementwise() -> None:
           rope_then_write_us=round(_graph_us(rope_then_write), 2))  # fmt: skip
 
 
-def prefetch() -> None:
-    """What a prefetch issued before the short kernels saves on the matmul after them.
-
-    o projection: [prefetch o] -> decode attention (B 1, 1,152 keys) -> o GEMM, over 32 copies
-    of the weight (a new one each time, as layer after layer). Gate-up: [prefetch the first
-    MiB] -> add + RMSNorm -> gate-up GEMM."""
-    dtype = torch.bfloat16
-    ctx, page = 1152, 16
-    blocks = ctx // page + 1
-    cache = torch.randn(2, blocks, page, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
-    tables = torch.randperm(blocks, device="cuda")[None].int()
-    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
-    splits = default_num_splits(1, KV_HEADS, 2048)
-    o_weights = [
-        (0.02 * torch.randn(HIDDEN, HEADS * HEAD_DIM, device="cuda")).to(dtype) for _ in range(32)
-    ]
-
-    def attn() -> torch.Tensor:
-        return paged_attention(q, cache, tables, lens, qsl, 1, HEAD_DIM**-0.5, splits)
-
-    def o_chain(chunk: int, per_program: int, mode: str) -> None:
-        for w in o_weights:
-            if mode == "prefetch":
-                l2_prefetch(w, None, chunk, per_program)
-            out = attn() if mode != "gemm_only" else q
-            if mode != "attention_only":
-                torch.nn.functional.linear(out.reshape(1, -1), w)
-
-    base: dict[str, float] = {}
-    for mode in ("attention_only", "gemm_only", "none"):
-        base[mode] = _graph_us(functools.partial(o_chain, 0, 0, mode), repeats=4) / len(o_weights)
-        _emit(section="prefetch_o", mode=mode, us=round(base[mode], 2))
-    for chunk_kib, per_program in ((16, 32), (64, 8), (4, 128), (64, 32), (256, 4)):
-        chain = functools.partial(o_chain, chunk_kib << 10, per_program, "prefetch")
-        us = _graph_us(chain, repeats=4) / len(o_weights)
-        _emit(section="prefetch_o", mode="prefetch", chunk_kib=chunk_kib,
-              chunks_per_program=per_program, us=round(us, 2),
-              saved_us=round(base["none"] - us, 2))  # fmt: skip
-
-    gate_up = [(0.02 * torch.randn(2 * INTER, HIDDEN, device="cuda")).to(dtype) for _ in range(6)]
-    x = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
-    residual = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
-    norm_w = torch.ones(HIDDEN, device="cuda", dtype=dtype)
-    for mib in (0, 8, 16, 24, 32):
-
-        def gu_chain(n: int = mib << 20) -> None:
-            for w in gate_up:
-                if n:
-                    l2_prefetch(w, n)
-                y, _ = add_rms_norm(x, residual, norm_w, 1e-5)
-                torch.nn.functional.linear(y, w)
-
-        us = _graph_us(gu_chain, repeats=4) / len(gate_up)
-        _emit(section="prefetch_gate_up", prefetch_mib=mib, us=round(us, 2))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sections", default="gemm,attention,elementwise,prefetch")
+    parser.add_argument("--sections", default="gemm,attention,elementwise")
     args = parser.parse_args(argv)
-    sections = {
-        "gemm": gemm_table,
-        "attention": attention,
-        "elementwise": elementwise,
-        "prefetch": prefetch,
-    }
+    sections = {"gemm": gemm_table, "attention": attention, "elementwise": elementwise}
     _emit(section="config", device=torch.cuda.get_device_name(), torch=torch.__version__)
     for name in args.sections.split(","):
         sections[name]()

@@ -8,10 +8,7 @@ is per instance. Per decoder layer at decode batch sizes:
 - the residual add after attention and after the MLP each run in one kernel with the RMSNorm
   that follows (the next layer's input norm, or the final norm);
 - q/k norm + rotary write the rotated keys and the values straight into the paged KV cache
-  when the attention backend is the Triton one (no separate cache-write kernel);
-- with a prefetch plan (`PrefetchPlan`, steps of at most `max_tokens` tokens), each matmul's
-  weight is requested into L2 right after the matmul before it, so its first bytes stream in
-  while the short kernels in between (norms, rotary, attention, merge, SiLU) run.
+  when the attention backend is the Triton one (no separate cache-write kernel).
 
 An attention forward whose signature this module does not know is left alone (and counted
 out), so a change to the model composition degrades speed, never correctness.
@@ -21,15 +18,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-from dataclasses import dataclass, fields
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from davit_engine.kernels.attention_backend import TritonPagedAttention
-from davit_engine.kernels.l2_prefetch import l2_prefetch
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.layers.norm import RMSNorm
@@ -42,79 +36,6 @@ from davit_engine.models.llama import (
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_ENV = "DAVIT_L2_PREFETCH"
-
-
-@dataclass(frozen=True)
-class PrefetchPlan:
-    """Bytes of each weight to request into L2 before its matmul (0: none, -1: all of it), for
-    forward passes of at most `max_tokens` tokens.
-
-    Each request is issued right after the matmul that precedes the weight's own: `qkv` after
-    the previous layer's down projection (the embedding for layer 0), `o` after qkv, `gate_up`
-    after o, `down` after gate_up, `lm_head` after the last down projection.
-    """
-
-    qkv: int = 0
-    o: int = 0
-    gate_up: int = 0
-    down: int = 0
-    lm_head: int = 0
-    max_tokens: int = 16
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_tokens > 0 and any(
-            getattr(self, f.name) != 0 for f in fields(self) if f.name != "max_tokens"
-        )
-
-    def active(self, num_tokens: int) -> bool:
-        return self.enabled and num_tokens <= self.max_tokens
-
-    @classmethod
-    def parse(cls, text: str) -> PrefetchPlan:
-        """`off`, or comma-separated `name=MiB` (`all` for the whole weight) and `max_tokens=N`,
-        e.g. `o=all,gate_up=16,max_tokens=8`. A bare name means all of that weight."""
-        text = text.strip()
-        if text in ("", "off", "none", "0"):
-            return cls(max_tokens=0)
-        names = [f.name for f in fields(cls)]
-        values: dict[str, int] = {}
-        for item in text.split(","):
-            name, _, raw = item.strip().partition("=")
-            name, raw = name.strip(), raw.strip() or "all"
-            if name not in names:
-                raise ValueError(
-                    f"{PREFETCH_ENV}: unknown entry {name!r} (expected one of {', '.join(names)})"
-                )
-            try:
-                if name == "max_tokens":
-                    values[name] = int(raw)
-                else:
-                    values[name] = -1 if raw == "all" else int(float(raw) * (1 << 20))
-            except ValueError:
-                raise ValueError(
-                    f"{PREFETCH_ENV}: {name}={raw!r} is not a number"
-                    + ("" if name == "max_tokens" else " of MiB or 'all'")
-                ) from None
-            if values[name] < (-1 if name != "max_tokens" else 0):
-                raise ValueError(f"{PREFETCH_ENV}: {name}={raw!r} must not be negative")
-        return cls(**values)
-
-    @classmethod
-    def from_env(cls, default: PrefetchPlan) -> PrefetchPlan:
-        text = os.environ.get(PREFETCH_ENV)
-        return default if text is None else cls.parse(text)
-
-
-NO_PREFETCH = PrefetchPlan(max_tokens=0)
-DEFAULT_PREFETCH = NO_PREFETCH
-
-
-def _prefetch(weight: torch.Tensor, nbytes: int) -> None:
-    if nbytes:
-        l2_prefetch(weight, None if nbytes < 0 else nbytes)
-
 
 def _fused_rms_norm(module: RMSNorm) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -125,12 +46,9 @@ def _fused_rms_norm(module: RMSNorm) -> Any:
     return forward
 
 
-def _fused_mlp(module: LlamaMLP, plan: PrefetchPlan) -> Any:
+def _fused_mlp(module: LlamaMLP) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate_up = module.gate_up_proj(x)
-        if plan.active(x.shape[0]):
-            _prefetch(module.down_proj.weight, plan.down)
-        return module.down_proj(silu_mul(gate_up))
+        return module.down_proj(silu_mul(module.gate_up_proj(x)))
 
     return forward
 
@@ -142,13 +60,10 @@ def _attention_core(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-    plan: PrefetchPlan,
 ) -> torch.Tensor:
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
     q, k, v = module.qkv_proj(x).split(module.split_sizes, dim=-1)
-    if plan.active(num_tokens):
-        _prefetch(module.o_proj.weight, plan.o)
     q = q.view(num_tokens, heads, dim)  # [T, Hq, D]
     k = k.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
     v = v.view(num_tokens, kv_heads, dim)
@@ -169,7 +84,7 @@ def _attention_core(
     return module.o_proj(out.reshape(num_tokens, heads * dim))
 
 
-def _fused_attention(module: LlamaAttention, plan: PrefetchPlan) -> Any | None:
+def _fused_attention(module: LlamaAttention) -> Any | None:
     params = list(inspect.signature(type(module).forward).parameters)[1:]
     if params[:1] == ["rope"]:  # cos/sin looked up once per step by the model
 
@@ -179,7 +94,7 @@ def _fused_attention(module: LlamaAttention, plan: PrefetchPlan) -> Any | None:
             kv_cache: torch.Tensor,
             meta: AttentionMetadata,
         ) -> torch.Tensor:
-            return _attention_core(module, x, rope[0], rope[1], kv_cache, meta, plan)
+            return _attention_core(module, x, rope[0], rope[1], kv_cache, meta)
 
         return forward_rope
     rotary = getattr(module, "rotary", None)
@@ -193,22 +108,17 @@ def _fused_attention(module: LlamaAttention, plan: PrefetchPlan) -> Any | None:
         ) -> torch.Tensor:
             cos = rotary.cos_table[positions]
             sin = rotary.sin_table[positions]
-            return _attention_core(module, x, cos, sin, kv_cache, meta, plan)
+            return _attention_core(module, x, cos, sin, kv_cache, meta)
 
         return forward_positions
     return None
 
 
-def _fused_model(model: LlamaForCausalLM, plan: PrefetchPlan) -> Any:
+def _fused_model(model: LlamaForCausalLM) -> Any:
     """The model's forward with every residual add fused into the RMSNorm after it."""
     layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
     norms_after_mlp: list[RMSNorm] = [layer.input_layernorm for layer in layers[1:]]
     norms_after_mlp.append(model.model.norm)
-    # the weight whose matmul follows each layer's MLP: the next layer's qkv, then the LM head
-    after_mlp: list[tuple[torch.Tensor, int]] = [
-        (layer.self_attn.qkv_proj.weight, plan.qkv) for layer in layers[1:]
-    ]
-    after_mlp.append((model.lm_head.weight, plan.lm_head))
 
     def forward(
         input_ids: torch.Tensor,
@@ -224,23 +134,13 @@ def _fused_model(model: LlamaForCausalLM, plan: PrefetchPlan) -> Any:
         rope = model.model.rotary.lookup(positions, residual.dtype)
         if residual.shape[0] == 0:
             return model.model.norm(residual)
-        prefetch = plan.active(residual.shape[0])
-        if prefetch:
-            _prefetch(layers[0].self_attn.qkv_proj.weight, plan.qkv)
         first = layers[0].input_layernorm
         x = rms_norm(residual, first.weight, first.eps)
-        for layer, kv_cache, next_norm, (next_weight, next_bytes) in zip(
-            layers, kv_caches, norms_after_mlp, after_mlp, strict=True
-        ):
+        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms_after_mlp, strict=True):
             attn = layer.self_attn(rope, x, kv_cache, meta)
-            if prefetch:
-                _prefetch(layer.mlp.gate_up_proj.weight, plan.gate_up)
             post = layer.post_attention_layernorm
             x, residual = add_rms_norm(attn, residual, post.weight, post.eps)
-            mlp = layer.mlp(x)
-            if prefetch:
-                _prefetch(next_weight, next_bytes)
-            x, residual = add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
+            x, residual = add_rms_norm(layer.mlp(x), residual, next_norm.weight, next_norm.eps)
         return x
 
     return forward
@@ -257,7 +157,7 @@ def _fusable_model(model: nn.Module) -> bool:
     return params[:1] == ["rope"]
 
 
-def install_fused_layers(model: nn.Module, prefetch: PrefetchPlan = NO_PREFETCH) -> int:
+def install_fused_layers(model: nn.Module) -> int:
     """Swap in the fused kernels on every matching submodule; returns how many were swapped."""
     swapped = 0
     skipped = 0
@@ -266,11 +166,11 @@ def install_fused_layers(model: nn.Module, prefetch: PrefetchPlan = NO_PREFETCH)
         if isinstance(module, RMSNorm):
             forward = _fused_rms_norm(module)
         elif isinstance(module, LlamaAttention):
-            forward = _fused_attention(module, prefetch)
+            forward = _fused_attention(module)
         elif isinstance(module, LlamaMLP):
-            forward = _fused_mlp(module, prefetch)
+            forward = _fused_mlp(module)
         elif isinstance(module, LlamaForCausalLM):
-            forward = _fused_model(module, prefetch) if _fusable_model(module) else None
+            forward = _fused_model(module) if _fusable_model(module) else None
         else:
             continue
         if forward is None:

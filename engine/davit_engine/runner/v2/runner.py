@@ -29,11 +29,7 @@ from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
 from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
-from davit_engine.runner.v2.fused_layers import (
-    DEFAULT_PREFETCH,
-    PrefetchPlan,
-    install_fused_layers,
-)
+from davit_engine.runner.v2.fused_layers import install_fused_layers
 from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
 from davit_engine.runner.v2.pending import PendingStep
 from davit_engine.runner.v2.sampler import sample_step
@@ -82,12 +78,8 @@ class RunnerV2(PagedKvRunner):
         self.num_eager_steps = 0
         self.num_fused_layers = 0
         self.step_probe: StepProbe | None = None  # the memory probe's steps, once profiled
-        self.prefetch = PrefetchPlan(max_tokens=0)
         if device.type == "cuda" and self.fuse_layers:
-            self.prefetch = PrefetchPlan.from_env(DEFAULT_PREFETCH)
-            self.num_fused_layers = install_fused_layers(self.model, self.prefetch)
-            if self.prefetch.enabled:
-                logger.info("fused layers: L2 weight prefetch %s", self.prefetch)
+            self.num_fused_layers = install_fused_layers(self.model)
 
     # ---- KV cache sizing ----------------------------------------------------------------------
 
