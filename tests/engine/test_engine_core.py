@@ -1,4 +1,5 @@
-"""EngineCore on a tiny random model: validation, aborts, KV sizing and max_model_len."""
+"""EngineCore on a tiny random model on the CPU (runner V1): validation, aborts, KV sizing and
+max_model_len."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from davit_engine.types import EngineRequest, FinishReason, ParamError, Sampling
 
 @pytest.fixture(scope="module")
 def core() -> EngineCore:
-    return EngineCore(EngineConfig(model="random:qwen3-tiny", dtype="float32", num_gpu_blocks=64))
+    return EngineCore(
+        EngineConfig(model="random:qwen3-tiny", device="cpu", dtype="float32", num_gpu_blocks=64)
+    )
 
 
 def request(rid: str, prompt: list[int], **params: object) -> EngineRequest:
@@ -73,7 +76,9 @@ def test_generation_and_abort(core: EngineCore) -> None:
 
 
 def test_cpu_kv_budget_and_max_model_len() -> None:
-    core = EngineCore(EngineConfig(model="random:qwen3-tiny", dtype="float32", max_num_seqs=4))
+    core = EngineCore(
+        EngineConfig(model="random:qwen3-tiny", device="cpu", dtype="float32", max_num_seqs=4)
+    )
     runner = core.runner
     assert isinstance(runner, RunnerV1)
     # Enough for 4 sequences of the model's 1024 positions, well under the 2 GiB cap.
@@ -82,6 +87,7 @@ def test_cpu_kv_budget_and_max_model_len() -> None:
     small = EngineCore(
         EngineConfig(
             model="random:qwen3-tiny",
+            device="cpu",
             dtype="float32",
             kv_cache_memory_bytes=10 * runner.block_bytes,
         )
@@ -89,10 +95,10 @@ def test_cpu_kv_budget_and_max_model_len() -> None:
     assert small.model_info.num_blocks == 10
     assert small.model_info.max_model_len == 160  # capped by the KV capacity
     with pytest.raises(ParamError) as err:
-        EngineCore(EngineConfig(model="random:qwen3-tiny", max_model_len=5000))
+        EngineCore(EngineConfig(model="random:qwen3-tiny", device="cpu", max_model_len=5000))
     assert err.value.param == "--max-model-len"
     with pytest.raises(ParamError) as err:
-        EngineCore(EngineConfig(model="random:qwen3-tiny", kv_cache_memory_bytes=1))
+        EngineCore(EngineConfig(model="random:qwen3-tiny", device="cpu", kv_cache_memory_bytes=1))
     assert err.value.param == "--kv-cache-memory-bytes"
 
 

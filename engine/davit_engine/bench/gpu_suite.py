@@ -1077,47 +1077,6 @@ def section_async(args: argparse.Namespace) -> None:
             free_memory()
 
 
-def section_w2linear(args: argparse.Namespace) -> None:
-    """W2 (async engine loop, V2 graphs) once per one-row projection kind of the fused layers;
-    greedy tokens are compared with the first kind's."""
-    from davit_engine.runner.v2 import fused_layers
-
-    blas = torch.backends.cuda.preferred_blas_library()
-    baseline: dict[str, list[int]] | None = None
-    try:
-        for kind in args.w2_linear_kinds.split(","):
-            fused_layers._project = fused_layers.one_row_linear(kind)
-            core = make_core(
-                args.w2_model, "v2", False, "bfloat16", max_num_seqs=8,
-                max_num_batched_tokens=2048, max_model_len=2048,
-            )  # fmt: skip
-            vocab = core.model_info.vocab_size
-            warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
-            _engine_loop(core, warm)
-            res = _engine_loop(core, random_requests(1, [1024], [256], vocab, 0, 0.0))
-            outputs = res.pop("outputs")
-            baseline = baseline if baseline is not None else outputs
-            decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
-            record(
-                "w2_linear",
-                model=args.w2_model,
-                runner="v2-graphs",
-                async_scheduling=True,
-                linear=kind,
-                decode_tok_s=decode,
-                floor_share=round(decode / 279.8, 3),
-                same_tokens_as_first=outputs == baseline,
-                **res,
-            )
-            core.shutdown()
-            del core
-            free_memory()
-            torch.backends.cuda.preferred_blas_library(blas)
-    finally:
-        fused_layers._project = fused_layers.one_row_linear("linear")
-        torch.backends.cuda.preferred_blas_library(blas)
-
-
 def section_w3(args: argparse.Namespace) -> None:
     """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner."""
     for i, runner in enumerate(args.w3_runners.split(",")):
@@ -1258,7 +1217,6 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "ceiling": section_ceiling,
     "async": section_async,
     "w3": section_w3,
-    "w2linear": section_w2linear,
 }
 
 
@@ -1290,7 +1248,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
     )
-    parser.add_argument("--w2-linear-kinds", default="linear,mv,matmul_t,cublaslt,linear")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
     parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")

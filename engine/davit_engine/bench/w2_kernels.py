@@ -10,7 +10,6 @@ rotary then `write_kv`. CUDA only.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from collections.abc import Callable
 
@@ -73,71 +72,6 @@ def gemm_table() -> None:
             us = _graph_us(run, repeats=10) / len(copies)
             _emit(section="gemm", layer=name, n=n, k=k, rows=rows, us=round(us, 2),
                   tb_per_s=round(size / us / 1e6, 3))  # fmt: skip
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, w)
-
-
-def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mv(w, x[0])
-
-
-def _w_matmul_xt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(w, x.t())
-
-
-def gemm_variants() -> None:
-    """One-row matmul through other library entry points, same shapes and weight cycling as
-    `gemm_table`: linear (the runner's), mv, w @ x^T, linear with cuBLASLt preferred, linear
-    with reduced-precision bf16 reductions off."""
-    dtype = torch.bfloat16
-    matmul = torch.backends.cuda.matmul
-    shapes = {
-        "qkv_proj": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
-        "o_proj": (HIDDEN, HEADS * HEAD_DIM),
-        "gate_up_proj": (2 * INTER, HIDDEN),
-        "down_proj": (HIDDEN, INTER),
-        "lm_head": (VOCAB, HIDDEN),
-    }
-    for name, (n, k) in shapes.items():
-        size = n * k * 2
-        weights = [
-            (0.02 * torch.randn(n, k, device="cuda")).to(dtype)
-            for _ in range(max(1, -(-(256 << 20) // size)))
-        ]
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
-        ref = torch.nn.functional.linear(x, weights[0]).float()
-        calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-            "linear": functools.partial(_linear, x),
-            "mv": functools.partial(_mv, x),
-            "w_matmul_xT": functools.partial(_w_matmul_xt, x),
-        }
-        for variant in (*calls, "linear_cublaslt", "linear_no_reduced_bf16"):
-            fn = calls.get(variant, calls["linear"])
-            previous = torch.backends.cuda.preferred_blas_library()
-            reduced = matmul.allow_bf16_reduced_precision_reduction
-            try:
-                if variant == "linear_cublaslt":
-                    torch.backends.cuda.preferred_blas_library("cublaslt")
-                if variant == "linear_no_reduced_bf16":
-                    matmul.allow_bf16_reduced_precision_reduction = False
-                out = fn(weights[0]).float().reshape(ref.shape)
-
-                def run(
-                    f: Callable[[torch.Tensor], torch.Tensor] = fn,
-                    weights: list[torch.Tensor] = weights,
-                ) -> None:
-                    for w in weights:
-                        f(w)
-
-                us = _graph_us(run, repeats=10) / len(weights)
-            finally:
-                torch.backends.cuda.preferred_blas_library(previous)
-                matmul.allow_bf16_reduced_precision_reduction = reduced
-            _emit(section="gemm_variant", layer=name, n=n, k=k, variant=variant,
-                  us=round(us, 2), tb_per_s=round(size / us / 1e6, 3),
-                  max_abs_diff=float((out - ref).abs().max()))  # fmt: skip
 
 
 def attention() -> None:

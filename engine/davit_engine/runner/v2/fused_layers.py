@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -38,37 +36,6 @@ from davit_engine.models.llama import (
 
 logger = logging.getLogger(__name__)
 
-LINEAR_ENV = "DAVIT_DECODE_LINEAR"
-LINEAR_KINDS = ("linear", "mv", "matmul_t", "cublaslt")
-
-
-def _mv(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.mv(module.weight, x[0]).unsqueeze(0)
-
-
-def _matmul_t(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(module.weight, x.t()).view(1, -1)
-
-
-def one_row_linear(kind: str) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
-    """How a bias-free projection runs on a single row (batch-1 decode): the module's own
-    linear, or another library entry point (`DAVIT_DECODE_LINEAR`)."""
-    if kind not in LINEAR_KINDS:
-        raise ValueError(f"{LINEAR_ENV}={kind!r}: expected one of {', '.join(LINEAR_KINDS)}")
-    if kind == "cublaslt":
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-    one_row = {"mv": _mv, "matmul_t": _matmul_t}.get(kind)
-
-    def project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if one_row is None or x.shape[0] != 1 or module.bias is not None:
-            return module(x)
-        return one_row(module, x)
-
-    return project
-
-
-_project = one_row_linear(os.environ.get(LINEAR_ENV, "linear"))
-
 
 def _fused_rms_norm(module: RMSNorm) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +48,7 @@ def _fused_rms_norm(module: RMSNorm) -> Any:
 
 def _fused_mlp(module: LlamaMLP) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _project(module.down_proj, silu_mul(_project(module.gate_up_proj, x)))
+        return module.down_proj(silu_mul(module.gate_up_proj(x)))
 
     return forward
 
@@ -96,7 +63,7 @@ def _attention_core(
 ) -> torch.Tensor:
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
-    q, k, v = _project(module.qkv_proj, x).split(module.split_sizes, dim=-1)
+    q, k, v = module.qkv_proj(x).split(module.split_sizes, dim=-1)
     q = q.view(num_tokens, heads, dim)  # [T, Hq, D]
     k = k.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
     v = v.view(num_tokens, kv_heads, dim)
@@ -114,7 +81,7 @@ def _attention_core(
         assert k_rot is not None
         meta.backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping)
     out = meta.backend.forward(q, kv_cache, meta, module.scale)  # [T, Hq, D]
-    return _project(module.o_proj, out.reshape(num_tokens, heads * dim))
+    return module.o_proj(out.reshape(num_tokens, heads * dim))
 
 
 def _fused_attention(module: LlamaAttention) -> Any | None:
