@@ -1077,6 +1077,59 @@ def section_async(args: argparse.Namespace) -> None:
             free_memory()
 
 
+def section_pdl(args: argparse.Namespace) -> None:
+    """W2 and W1 (async engine loop, V2 graphs) with programmatic dependent launch off and on
+    (`DAVIT_PDL`); greedy W2 tokens must not change."""
+    from davit_engine.kernels.pdl import PDL_ENV
+
+    before = os.environ.get(PDL_ENV)
+    gen = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    workloads = [
+        ("w2", args.w2_model, [1024], [256], 8, 2048),
+        ("w1", args.w1_model, in_lens, out_lens, 256, 8192),
+    ]
+    try:
+        for name, model, ins, outs, seqs, tokens in workloads:
+            first: dict[str, list[int]] | None = None
+            for value in args.pdl_values.split(","):
+                os.environ[PDL_ENV] = value
+                core = make_core(
+                    model, "v2", False, "bfloat16", max_num_seqs=seqs,
+                    max_num_batched_tokens=tokens, max_model_len=2048,
+                )  # fmt: skip
+                vocab = core.model_info.vocab_size
+                warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, "warm")
+                _engine_loop(core, warm)
+                temperature = args.temperature if name == "w1" else 0.0
+                res = _engine_loop(
+                    core, random_requests(len(ins), ins, outs, vocab, 0, temperature)
+                )
+                outputs = res.pop("outputs")
+                extra: dict[str, Any] = {}
+                if name == "w2":
+                    first = first if first is not None else outputs
+                    decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
+                    extra = {
+                        "decode_tok_s": decode,
+                        "floor_share": round(decode / 279.8, 3),
+                        "same_tokens_as_first": outputs == first,
+                    }
+                record(
+                    f"{name}_pdl", model=model, runner="v2-graphs", async_scheduling=True,
+                    pdl=value != "0", requests=len(ins), **res, **extra,
+                )  # fmt: skip
+                core.shutdown()
+                del core
+                free_memory()
+    finally:
+        if before is None:
+            os.environ.pop(PDL_ENV, None)
+        else:
+            os.environ[PDL_ENV] = before
+
+
 def section_w3(args: argparse.Namespace) -> None:
     """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner."""
     for i, runner in enumerate(args.w3_runners.split(",")):
@@ -1217,6 +1270,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "ceiling": section_ceiling,
     "async": section_async,
     "w3": section_w3,
+    "pdl": section_pdl,
 }
 
 
@@ -1248,6 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
     )
+    parser.add_argument("--pdl-values", default="0,1,0,1", help="DAVIT_PDL values, pdl section")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
     parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")

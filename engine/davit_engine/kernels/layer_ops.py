@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -36,7 +38,9 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
     row_valid = rows < num_rows
@@ -84,6 +88,7 @@ def _launch_rms_norm(
         ADD_RESIDUAL=residual is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no fused multiply-add: keep torch's rounding
+        **pdl_launch(x.device),
     )
 
 
@@ -221,7 +226,9 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     token = tl.program_id(0)
     dims = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
@@ -321,6 +328,7 @@ def qk_norm_rope(
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
         enable_fp_fusion=False,
+        **pdl_launch(q.device),
     )
     return q_out, k_out
 
@@ -354,7 +362,9 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     width,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -375,8 +385,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-        gate_up, out, width, BLOCK=block, num_warps=4, enable_fp_fusion=False
-    )
+        gate_up, out, width, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(gate_up.device),
+    )  # fmt: skip
     return out
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -52,7 +54,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     req = pid // num_q_tiles
     q_tile = pid % num_q_tiles
@@ -165,7 +169,9 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -281,6 +287,7 @@ def paged_attention(
         EARLY_V=is_decode and num_splits > 1,
         num_warps=4,
         num_stages=2,
+        **pdl_launch(q.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -294,6 +301,7 @@ def paged_attention(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            **pdl_launch(q.device),
         )
     return out
 
