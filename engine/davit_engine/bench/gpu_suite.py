@@ -966,10 +966,14 @@ def section_ceiling(args: argparse.Namespace) -> None:
 
 
 def section_profile(args: argparse.Namespace) -> None:
-    """Where a decode step's time goes: W1's full batch and W2's single request."""
-    for eager, fuse in ((False, True), (True, False)):
-        _profile_decode("w1-b256", args.w1_model, 256, 600, eager, fuse, args.temperature)
-    _profile_decode("w2-b1", args.w2_model, 1, 1024, False, True, 0.0)
+    """Where a decode step's time goes: W1's full batch (graphs + fused layers, and eager with
+    the torch layers) and W2's single request; `--profile-shapes` picks among w1, w1-eager, w2."""
+    shapes = args.profile_shapes.split(",")
+    for shape, eager, fuse in (("w1", False, True), ("w1-eager", True, False)):
+        if shape in shapes:
+            _profile_decode("w1-b256", args.w1_model, 256, 600, eager, fuse, args.temperature)
+    if "w2" in shapes:
+        _profile_decode("w2-b1", args.w2_model, 1, 1024, False, True, 0.0)
 
 
 def _engine_loop(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Any]:
@@ -1302,6 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
     )
+    parser.add_argument("--profile-shapes", default="w1,w1-eager,w2")
     parser.add_argument("--pdl-values", default="0,1,0,1", help="DAVIT_PDL values, pdl section")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
