@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from davit_engine.bench.timing import graph_us
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import SchedulerOutput
 from davit_engine.engine_core import EngineCore
@@ -214,20 +215,6 @@ def section_tests(_: argparse.Namespace) -> None:
         print(proc.stdout[-6000:], flush=True)
 
 
-def graph_time_us(fn: Callable[[], Any], replays: int = 50) -> float:
-    """Median time of `fn` captured in a CUDA graph of `replays` calls (no launch gaps)."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
-    return 1e3 * ms / replays
-
-
 def section_kernels(args: argparse.Namespace) -> None:
     from davit_engine.kernels.layer_ops import rms_norm, rms_norm_reference, silu_mul
     from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
@@ -248,7 +235,7 @@ def section_kernels(args: argparse.Namespace) -> None:
         q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = batch * ctx * hkv * dim * 2 * 2
         for splits in sorted({1, default_num_splits(batch, hkv, ctx), 8}):
-            us = graph_time_us(
+            us = graph_us(
                 functools.partial(
                     paged_attention, q, cache, tables, seq_lens, qsl, 1, dim**-0.5, splits
                 )
@@ -286,7 +273,7 @@ def section_kernels(args: argparse.Namespace) -> None:
         )
         filtered = top_p < 1.0
         draw = functools.partial(sample, logits, slots, positions, table, any_filtered=filtered)
-        us = graph_time_us(draw, 10)
+        us = graph_us(draw, 10)
         record("kernel_sampling", rows=rows, vocab=vocab, mode=name, us_in_graph=round(us, 1))
     del logits
     # fused layer ops against the torch layers they replace, W1 decode shapes
@@ -304,8 +291,8 @@ def section_kernels(args: argparse.Namespace) -> None:
         record(
             "kernel_layer_op",
             op=name,
-            fused_us=round(graph_time_us(fused), 2),
-            torch_us=round(graph_time_us(plain), 2),
+            fused_us=round(graph_us(fused), 2),
+            torch_us=round(graph_us(plain), 2),
         )
     free_memory()
 

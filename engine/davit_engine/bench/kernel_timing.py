@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from davit_engine.bench.timing import eager_us, graph_us
 
 SAMPLING_CASES: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
@@ -54,37 +55,6 @@ def _versions() -> dict[str, str]:
 
 def _emit(group: str, **fields: Any) -> None:
     print(json.dumps({"group": group, **fields}), flush=True)
-
-
-def graph_us(fn: Callable[[], Any], replays: int) -> float:
-    """Microseconds per call of `fn`, captured `replays` times in one CUDA graph."""
-    from triton.testing import do_bench
-
-    fn()  # compiles and warms the allocator outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
-    return 1e3 * float(ms) / replays
-
-
-def eager_us(fn: Callable[[], Any], calls: int, runs: int = 5) -> float:
-    """Microseconds per call of `fn` over `calls` back-to-back eager calls (median of runs)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def _torch_sort_sampler(

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 
 import torch
 
+from davit_engine.bench.timing import graph_us
 from davit_engine.kernels.kv_cache import write_kv
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
 from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
@@ -24,27 +24,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 12825
 
 def _emit(**row: object) -> None:
     print(json.dumps(row), flush=True)
-
-
-def _graph_us(fn: Callable[[], object], repeats: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / repeats
 
 
 def gemm_table() -> None:
@@ -69,7 +48,7 @@ def gemm_table() -> None:
                 for w in weights:
                     torch.nn.functional.linear(x, w)
 
-            us = _graph_us(run, repeats=10) / len(copies)
+            us = graph_us(run, replays=10) / len(copies)
             _emit(section="gemm", layer=name, n=n, k=k, rows=rows, us=round(us, 2),
                   tb_per_s=round(size / us / 1e6, 3))  # fmt: skip
 
@@ -91,7 +70,7 @@ def attention() -> None:
             def run(n: int = num_splits) -> object:
                 return paged_attention(q, cache, tables, lens, qsl, 1, HEAD_DIM**-0.5, n)
 
-            us = _graph_us(run)
+            us = graph_us(run)
             _emit(
                 section="decode_attention",
                 batch=1,
@@ -110,8 +89,8 @@ def elementwise() -> None:
     x = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
     residual = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
     weight = torch.ones(HIDDEN, device="cuda", dtype=dtype)
-    fused = _graph_us(lambda: add_rms_norm(x, residual, weight, 1e-5))
-    separate = _graph_us(lambda: rms_norm(x + residual, weight, 1e-5))
+    fused = graph_us(lambda: add_rms_norm(x, residual, weight, 1e-5))
+    separate = graph_us(lambda: rms_norm(x + residual, weight, 1e-5))
     _emit(section="add_rms_norm", rows=1, dim=HIDDEN, fused_us=round(fused, 2),
           add_then_norm_us=round(separate, 2))  # fmt: skip
     qkv = torch.randn(1, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
@@ -126,11 +105,11 @@ def elementwise() -> None:
         assert k2 is not None
         write_kv(k2, v, cache, slots)
 
-    fused_kv = _graph_us(
+    fused_kv = graph_us(
         lambda: qk_norm_rope(q, k, cos, sin, v=v, kv_cache=cache, slot_mapping=slots)
     )
     _emit(section="rope_kv_write", rows=1, fused_us=round(fused_kv, 2),
-          rope_then_write_us=round(_graph_us(rope_then_write), 2))  # fmt: skip
+          rope_then_write_us=round(graph_us(rope_then_write), 2))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
