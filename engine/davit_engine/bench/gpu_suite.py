@@ -1083,6 +1083,8 @@ def section_pdl(args: argparse.Namespace) -> None:
     ]
     try:
         for name, model, ins, outs, seqs, tokens in workloads:
+            if name not in args.pdl_workloads.split(","):
+                continue
             first: dict[str, list[int]] | None = None
             for value in args.pdl_values.split(","):
                 os.environ[PDL_ENV] = value
@@ -1294,6 +1296,7 @@ def main(argv: list[str] | None = None) -> int:
         "--w3-runners", default="v2-graphs", help="v2-graphs,v2-eager,v2-graphs-sync,v1"
     )
     parser.add_argument("--profile-shapes", default="w1,w1-eager,w2")
+    parser.add_argument("--pdl-workloads", default="w2,w1", help="pdl section: w2, w1")
     parser.add_argument("--pdl-values", default="0,1,0,1", help="DAVIT_PDL values, pdl section")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
