@@ -186,6 +186,44 @@ def _base(inp: Inputs, **fields: Any) -> dict[str, Any]:
     return rollout
 
 
+def _on_target(
+    inp: Inputs,
+    rollout: dict[str, Any],
+    revisions: list[dict[str, Any]],
+    condition: tuple[str, str, str],
+    *,
+    stable_paused: bool = False,
+    canary_replicas: int = 0,
+    events: list[tuple[str, str, str]] | None = None,
+    settled: bool = True,
+) -> Decision:
+    """The stable Deployment built from the target's spec on every replica (a canary only
+    while a promotion drains it)."""
+    return Decision(
+        stable_spec_json=inp.target.spec_json,
+        stable_replicas=inp.replicas,
+        stable_paused=stable_paused,
+        canary_replicas=canary_replicas,
+        rollout=rollout,
+        revisions=revisions,
+        condition=condition,
+        events=events or [],
+        settled=settled,
+    )
+
+
+def _done_fields(t: Target) -> dict[str, Any]:
+    """Status fields of a rollout that ended with `t` stable."""
+    return {
+        "phase": "Complete",
+        "stableSpec": t.spec_json,
+        "step": None,
+        "weight": None,
+        "stepStartedAt": None,
+        "stepReadyAt": None,
+    }
+
+
 def _first_revision(inp: Inputs) -> Decision:
     """No revision was ever good: the spec's revision is rolled out directly and becomes
     stable once ready (there is nothing to roll back to)."""
@@ -195,28 +233,21 @@ def _first_revision(inp: Inputs) -> Decision:
         revisions = _open(revisions, _record(t, "Rolling", inp.now), inp.now)
     if obs.stable_done and obs.stable_revision == t.revision:
         revisions = _close(revisions, t.revision, "Succeeded", "Available", "", inp.now)
+        message = f"revision {t.revision} is stable"
         rollout = _base(
             inp,
-            phase="Complete",
+            **_done_fields(t),
             strategy=inp.spec.strategy,
             stableRevision=t.revision,
-            stableSpec=t.spec_json,
-            step=None,
-            weight=None,
-            stepStartedAt=None,
-            stepReadyAt=None,
-            message=f"revision {t.revision} is stable",
+            message=message,
             analysis=None,
         )
-        return Decision(
-            stable_spec_json=t.spec_json,
-            stable_replicas=inp.replicas,
-            stable_paused=False,
-            canary_replicas=0,
-            rollout=rollout,
-            revisions=revisions,
-            condition=("False", "Complete", rollout["message"]),
-            events=[(NORMAL, "RolloutComplete", f"revision {t.revision} is stable")],
+        return _on_target(
+            inp,
+            rollout,
+            revisions,
+            ("False", "Complete", message),
+            events=[(NORMAL, "RolloutComplete", message)],
         )
     rollout = _base(
         inp,
@@ -225,15 +256,8 @@ def _first_revision(inp: Inputs) -> Decision:
         stepStartedAt=inp.old.get("stepStartedAt") or iso(inp.now),
         message=f"first revision {t.revision} is starting",
     )
-    return Decision(
-        stable_spec_json=t.spec_json,
-        stable_replicas=inp.replicas,
-        stable_paused=False,
-        canary_replicas=0,
-        rollout=rollout,
-        revisions=revisions,
-        condition=("True", "FirstRevision", rollout["message"]),
-        settled=False,
+    return _on_target(
+        inp, rollout, revisions, ("True", "FirstRevision", rollout["message"]), settled=False
     )
 
 
@@ -249,23 +273,15 @@ def _steady(inp: Inputs, stable_json: str) -> Decision:
             revisions = _close(revisions, r["revision"], "Superseded", "SpecReverted", "", inp.now)
     rollout = _base(
         inp,
-        phase="Complete",
-        step=None,
-        weight=None,
-        stepStartedAt=None,
-        stepReadyAt=None,
+        **_done_fields(t),
         analysis=inp.old.get("analysis") if was_complete else None,
         message=inp.old.get("message") if was_complete else f"revision {t.revision} is stable",
-        stableSpec=t.spec_json,
     )
-    return Decision(
-        stable_spec_json=t.spec_json,
-        stable_replicas=inp.replicas,
-        stable_paused=False,
-        canary_replicas=0,
-        rollout=rollout,
-        revisions=revisions,
-        condition=("False", "Complete", rollout["message"]),
+    return _on_target(
+        inp,
+        rollout,
+        revisions,
+        ("False", "Complete", rollout["message"]),
         events=events,
         settled=inp.observed.canary_revision is None,
     )
@@ -372,14 +388,12 @@ def _rolling(inp: Inputs, stable_json: str) -> Decision:
         rollout = _base(
             inp, phase="Paused", stepStartedAt=iso(inp.now), message="paused by spec.rollout"
         )
-        return Decision(
-            stable_spec_json=t.spec_json,
-            stable_replicas=inp.replicas,
+        return _on_target(
+            inp,
+            rollout,
+            list(inp.revisions),
+            ("Unknown", "Paused", "spec.rollout.paused is true"),
             stable_paused=True,
-            canary_replicas=0,
-            rollout=rollout,
-            revisions=list(inp.revisions),
-            condition=("Unknown", "Paused", "spec.rollout.paused is true"),
             events=[] if inp.old.get("phase") == "Paused" else [(NORMAL, "Paused", "rollout")],
         )
     if obs.stable_revision == t.revision and obs.stable_done:
@@ -397,14 +411,11 @@ def _rolling(inp: Inputs, stable_json: str) -> Decision:
         phase="Progressing",
         message=f"the Deployment is replacing replicas with revision {t.revision}",
     )
-    return Decision(
-        stable_spec_json=t.spec_json,
-        stable_replicas=inp.replicas,
-        stable_paused=False,
-        canary_replicas=0,
-        rollout=rollout,
-        revisions=list(inp.revisions),
-        condition=("True", "RollingUpdate", rollout["message"]),
+    return _on_target(
+        inp,
+        rollout,
+        list(inp.revisions),
+        ("True", "RollingUpdate", rollout["message"]),
         events=[(NORMAL, "Resumed", "rollout")] if inp.old.get("phase") == "Paused" else [],
         settled=False,
     )
@@ -416,25 +427,12 @@ def _complete(inp: Inputs) -> Decision:
         list(inp.revisions), t.revision, "Succeeded", "Promoted", "all replicas ready", inp.now
     )
     message = f"revision {t.revision} is stable (was {inp.old.get('stableRevision')})"
-    rollout = _base(
+    rollout = _base(inp, **_done_fields(t), stableRevision=t.revision, message=message)
+    return _on_target(
         inp,
-        phase="Complete",
-        stableRevision=t.revision,
-        stableSpec=t.spec_json,
-        step=None,
-        weight=None,
-        stepStartedAt=None,
-        stepReadyAt=None,
-        message=message,
-    )
-    return Decision(
-        stable_spec_json=t.spec_json,
-        stable_replicas=inp.replicas,
-        stable_paused=False,
-        canary_replicas=0,
-        rollout=rollout,
-        revisions=revisions,
-        condition=("False", "Complete", message),
+        rollout,
+        revisions,
+        ("False", "Complete", message),
         events=[(NORMAL, "RolloutComplete", message)],
         settled=False,  # one more pass removes the canary Deployment
     )
@@ -465,14 +463,12 @@ def _canary(inp: Inputs, stable_json: str) -> Decision:
         if obs.stable_revision == t.revision and obs.stable_done:
             return _complete(inp)
         rollout = _base(inp, message=f"the stable Deployment is taking revision {t.revision}")
-        return Decision(
-            stable_spec_json=t.spec_json,
-            stable_replicas=inp.replicas,
-            stable_paused=False,
+        return _on_target(
+            inp,
+            rollout,
+            list(inp.revisions),
+            ("True", "Promoting", rollout["message"]),
             canary_replicas=canary_split(inp.replicas, steps[-1].weight)[0],
-            rollout=rollout,
-            revisions=list(inp.revisions),
-            condition=("True", "Promoting", rollout["message"]),
             settled=False,
         )
     index = min(int(old.get("step") or 0), len(steps) - 1)
