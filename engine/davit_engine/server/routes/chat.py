@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from davit_engine.server.generation import Choices, admit_choices
 from davit_engine.server.output import LogprobEntry
@@ -21,9 +20,10 @@ from davit_engine.server.protocol import (
 )
 from davit_engine.server.routes.common import (
     ChunkEncoder,
-    collect_unless_disconnected,
+    Finished,
     event_stream,
     get_state,
+    respond_when_finished,
     usage_of,
 )
 from davit_engine.server.sampling import check_num_choices, sampling_params
@@ -67,12 +67,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return event_stream(choices, _chunks(choices, body.logprobs, include_usage))
 
-    async def collect() -> ChatCompletionResponse:
-        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
-        entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
-        async for generation, piece in choices.pieces():
-            texts[generation.index].append(piece.text)
-            entries[generation.index].extend(piece.logprobs)
+    def build(done: dict[int, Finished]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=choices.id,
             created=choices.created,
@@ -80,9 +75,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             choices=[
                 ChatChoice(
                     index=g.index,
-                    message=AssistantMessage(content="".join(texts[g.index])),
+                    message=AssistantMessage(content=done[g.index].text),
                     logprobs=(
-                        ChatLogprobs.model_validate(chat_logprobs(entries[g.index]))
+                        ChatLogprobs.model_validate(chat_logprobs(done[g.index].logprobs))
                         if body.logprobs
                         else None
                     ),
@@ -93,10 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             usage=usage_of(choices),
         )
 
-    result = await collect_unless_disconnected(request, choices, collect)
-    if result is None:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    return JSONResponse(result.model_dump(mode="json"))
+    return await respond_when_finished(request, choices, build)
 
 
 async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:

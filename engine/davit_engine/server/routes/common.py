@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
 from davit_engine.server.errors import OpenAIError, error_payload
 from davit_engine.server.generation import Choices
+from davit_engine.server.output import LogprobEntry
 from davit_engine.server.protocol import PromptTokensDetails, Usage
 from davit_engine.server.state import ServerState
 
@@ -125,3 +129,31 @@ async def collect_unless_disconnected(
         if not work.done():
             work.cancel()
         choices.close()
+
+
+@dataclass
+class Finished:
+    """One generation's whole output."""
+
+    text: str
+    logprobs: list[LogprobEntry]
+
+
+async def respond_when_finished(
+    request: Request, choices: Choices, build: Callable[[dict[int, Finished]], BaseModel]
+) -> Response:
+    """Gather every generation's text and logprob entries, then answer with `build(...)` as
+    JSON; 499 (and the generations aborted) when the client leaves first."""
+
+    async def collect() -> BaseModel:
+        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
+        entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
+        async for generation, piece in choices.pieces():
+            texts[generation.index].append(piece.text)
+            entries[generation.index].extend(piece.logprobs)
+        return build({i: Finished("".join(texts[i]), entries[i]) for i in texts})
+
+    result = await collect_unless_disconnected(request, choices, collect)
+    if result is None:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    return JSONResponse(result.model_dump(mode="json"))

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from davit_engine.server.generation import Choices, admit_choices
 from davit_engine.server.output import LogprobEntry
@@ -20,9 +19,10 @@ from davit_engine.server.protocol import (
 )
 from davit_engine.server.routes.common import (
     ChunkEncoder,
-    collect_unless_disconnected,
+    Finished,
     event_stream,
     get_state,
+    respond_when_finished,
     usage_of,
 )
 from davit_engine.server.sampling import check_num_choices, sampling_params
@@ -64,12 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return event_stream(choices, _chunks(choices, want_logprobs, include_usage))
 
-    async def collect() -> CompletionResponse:
-        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
-        entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
-        async for generation, piece in choices.pieces():
-            texts[generation.index].append(piece.text)
-            entries[generation.index].extend(piece.logprobs)
+    def build(done: dict[int, Finished]) -> CompletionResponse:
         return CompletionResponse(
             id=choices.id,
             created=choices.created,
@@ -77,9 +72,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             choices=[
                 CompletionChoice(
                     index=g.index,
-                    text="".join(texts[g.index]),
+                    text=done[g.index].text,
                     logprobs=(
-                        CompletionLogprobs.model_validate(completion_logprobs(entries[g.index], 0))
+                        CompletionLogprobs.model_validate(
+                            completion_logprobs(done[g.index].logprobs, 0)
+                        )
                         if want_logprobs
                         else None
                     ),
@@ -90,10 +87,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             usage=usage_of(choices),
         )
 
-    result = await collect_unless_disconnected(request, choices, collect)
-    if result is None:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    return JSONResponse(result.model_dump(mode="json"))
+    return await respond_when_finished(request, choices, build)
 
 
 async def _chunks(choices: Choices, logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
