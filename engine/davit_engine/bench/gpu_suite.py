@@ -1022,100 +1022,68 @@ def section_async(args: argparse.Namespace) -> None:
     same = sum(outputs[False][k] == outputs[True][k] for k in outputs[False])
     record("async_vs_sync_fp32", model=args.small_model, identical=f"{same}/{len(outputs[False])}")
 
-    gen = torch.Generator().manual_seed(0)
-    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    workloads = [
-        ("w1", args.w1_model, in_lens, out_lens, 256, 8192),
-        ("w2", args.w2_model, [1024], [256], 8, 2048),
-    ]
-    for name, model, ins, outs, seqs, tokens in workloads:
+    for name in ("w1", "w2"):
         for on in (False, True):
-            core = make_core(
-                model,
-                "v2",
-                False,
-                "bfloat16",
-                async_scheduling=on,
-                max_num_seqs=seqs,
-                max_num_batched_tokens=tokens,
-                max_model_len=2048,
-            )
-            vocab = core.model_info.vocab_size
-            warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
-            _engine_loop(core, warm)
-            temperature = args.temperature if name == "w1" else 0.0
-            reqs = random_requests(len(ins), ins, outs, vocab, 0, temperature)
-            res = _engine_loop(core, reqs)
+            res = _engine_workload(args, name, async_scheduling=on)
             res.pop("outputs")
-            extra: dict[str, Any] = {}
-            if name == "w2":
-                extra["decode_tok_s"] = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
             record(
                 f"{name}_async" if on else f"{name}_sync",
-                model=model,
                 runner="v2-graphs",
                 async_scheduling=on,
                 dtype="bfloat16",
-                requests=len(reqs),
-                max_num_seqs=seqs,
-                max_num_batched_tokens=tokens,
                 **res,
-                **extra,
             )
-            core.shutdown()
-            del core
-            free_memory()
+
+
+def _engine_workload(args: argparse.Namespace, name: str, **core_kw: Any) -> dict[str, Any]:
+    """W1 or W2 through the engine loop (V2 graphs, bf16) on a fresh engine, after a short
+    warm-up on it: `_engine_loop`'s figures plus the configuration (and W2's decode rate)."""
+    if name == "w1":
+        gen = torch.Generator().manual_seed(0)
+        ins = torch.randint(100, 1025, (256,), generator=gen).tolist()
+        outs = torch.randint(100, 1025, (256,), generator=gen).tolist()
+        model, seqs, tokens, temperature = args.w1_model, 256, 8192, args.temperature
+    else:
+        ins, outs = [1024], [256]
+        model, seqs, tokens, temperature = args.w2_model, 8, 2048, 0.0
+    core = make_core(
+        model, "v2", False, "bfloat16", max_num_seqs=seqs, max_num_batched_tokens=tokens,
+        max_model_len=2048, **core_kw,
+    )  # fmt: skip
+    try:
+        vocab = core.model_info.vocab_size
+        warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
+        _engine_loop(core, warm)
+        res = _engine_loop(core, random_requests(len(ins), ins, outs, vocab, 0, temperature))
+    finally:
+        core.shutdown()
+        del core
+        free_memory()
+    res.update(model=model, requests=len(ins), max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    if name == "w2":
+        decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
+        res.update(decode_tok_s=decode, floor_share=round(decode / args.w2_floor, 3))
+    return res
 
 
 def section_pdl(args: argparse.Namespace) -> None:
-    """W2 and W1 (async engine loop, V2 graphs) with programmatic dependent launch off and on
-    (`DAVIT_PDL`); greedy W2 tokens must not change."""
+    """W2 and W1 (async engine loop, V2 graphs) with programmatic dependent launch set by each
+    of `--pdl-values` (`DAVIT_PDL`); W2's greedy tokens must not change."""
     from davit_engine.kernels.pdl import PDL_ENV
 
     before = os.environ.get(PDL_ENV)
-    gen = torch.Generator().manual_seed(0)
-    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    workloads = [
-        ("w2", args.w2_model, [1024], [256], 8, 2048),
-        ("w1", args.w1_model, in_lens, out_lens, 256, 8192),
-    ]
     try:
-        for name, model, ins, outs, seqs, tokens in workloads:
-            if name not in args.pdl_workloads.split(","):
-                continue
+        for name in args.pdl_workloads.split(","):
             first: dict[str, list[int]] | None = None
             for value in args.pdl_values.split(","):
                 os.environ[PDL_ENV] = value
-                core = make_core(
-                    model, "v2", False, "bfloat16", max_num_seqs=seqs,
-                    max_num_batched_tokens=tokens, max_model_len=2048,
-                )  # fmt: skip
-                vocab = core.model_info.vocab_size
-                warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, "warm")
-                _engine_loop(core, warm)
-                temperature = args.temperature if name == "w1" else 0.0
-                res = _engine_loop(
-                    core, random_requests(len(ins), ins, outs, vocab, 0, temperature)
-                )
+                res = _engine_workload(args, name)
                 outputs = res.pop("outputs")
-                extra: dict[str, Any] = {}
                 if name == "w2":
                     first = first if first is not None else outputs
-                    decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
-                    extra = {
-                        "decode_tok_s": decode,
-                        "floor_share": round(decode / 279.8, 3),
-                        "same_tokens_as_first": outputs == first,
-                    }
-                record(
-                    f"{name}_pdl", model=model, runner="v2-graphs", async_scheduling=True,
-                    pdl=value != "0", requests=len(ins), **res, **extra,
-                )  # fmt: skip
-                core.shutdown()
-                del core
-                free_memory()
+                    res["same_tokens_as_first"] = outputs == first
+                record(f"{name}_pdl", runner="v2-graphs", async_scheduling=True,
+                       pdl=value != "0", **res)  # fmt: skip
     finally:
         if before is None:
             os.environ.pop(PDL_ENV, None)
@@ -1297,6 +1265,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-shapes", default="w1,w1-eager,w2")
     parser.add_argument("--pdl-workloads", default="w2,w1", help="pdl section: w2, w1")
+    parser.add_argument(
+        "--w2-floor", type=float, default=279.8, help="W2 bandwidth floor, decode tok/s"
+    )
     parser.add_argument("--pdl-values", default="0,1,0,1", help="DAVIT_PDL values, pdl section")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--peer-dir", default=".device_bench")
