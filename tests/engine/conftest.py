@@ -1,4 +1,6 @@
-"""Engine test fixtures: CPU threads, the SmolLM2 reference model and tiny random checkpoints.
+"""Engine test fixtures: CPU threads, the SmolLM2 reference model and tiny random checkpoints;
+the device for kernel tests (the GPU when there is one, else the CPU under Triton's interpreter,
+which must be chosen before any kernel module is imported, hence here) and the `gpu` marker.
 
 Heavy objects (the GGUF engine, the transformers reference model) are session-scoped so the
 whole engine suite loads each once.
@@ -18,9 +20,25 @@ from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.support import reference_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")
