@@ -6,7 +6,8 @@ import torch
 
 from davit_engine.config import EngineConfig
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata
-from davit_engine.loader import ModelConfig
+from davit_engine.loader import LoadedModel, ModelConfig
+from davit_engine.memory.profile import MemoryProfile
 from davit_engine.models.llama import LlamaForCausalLM
 from davit_engine.runner.base import ModelRunner
 
@@ -54,16 +55,28 @@ def dummy_prefill(
 
 
 class PagedKvRunner(ModelRunner):
-    """What runner V1 and runner V2 share about their paged KV cache: the size of one block and
-    the dummy prefill the memory profiler measures."""
+    """What runner V1 and runner V2 share about their paged KV cache: the loaded model and its
+    attention backend, the size of one block and the dummy prefill the memory profiler
+    measures."""
 
-    config: EngineConfig
-    model: LlamaForCausalLM
-    model_config: ModelConfig
-    backend: AttentionBackend
-    block_size: int
-    dtype: torch.dtype
-    device: torch.device
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        device: torch.device,
+        backend: AttentionBackend,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model: LlamaForCausalLM = loaded.model
+        self.model_config: ModelConfig = loaded.config
+        self.device = device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.backend = backend
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.memory_profile: MemoryProfile | None = None  # once the KV cache was sized
 
     @property
     def block_bytes(self) -> int:

@@ -18,7 +18,6 @@ from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOut
 from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from davit_engine.layers.cpu_linear import can_prepack, prepack_linears
 from davit_engine.loader import LoadedModel
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache
 from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
 from davit_engine.runner.sampler import Sampler
@@ -34,22 +33,12 @@ class RunnerV1(PagedKvRunner):
     name = "v1"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-        self.config = config
-        self.loaded = loaded
-        self.model = loaded.model
-        self.model_config = loaded.config
-        self.device = device
-        self.dtype = loaded.dtype
-        self.block_size = config.block_size
-        self.backend = TorchPagedAttention()
+        super().__init__(config, loaded, device, TorchPagedAttention())
         if can_prepack(self.dtype, device):
             with torch.no_grad():
                 count = prepack_linears(self.model, batch_hint=config.max_num_seqs)
             logger.info("pre-packed %d linear layers for oneDNN (%s on CPU)", count, self.dtype)
         self.sampler = Sampler(loaded.config.eos_token_ids)
-        self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
-        self.memory_profile: MemoryProfile | None = None
         # Tokens run through the model so far (prefix-cache hits are not among them).
         self.num_computed_tokens_total = 0
 

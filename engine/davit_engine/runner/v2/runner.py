@@ -25,7 +25,6 @@ from davit_engine.kernels.input_prep import InputBuffers, prepare_inputs
 from davit_engine.kernels.paged_attention import default_num_splits
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.loader import LoadedModel
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
 from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
@@ -55,18 +54,8 @@ class RunnerV2(PagedKvRunner):
     fuse_layers = True
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-        self.config = config
-        self.loaded = loaded
-        self.model = loaded.model
-        self.model_config = loaded.config
-        self.device = device
-        self.dtype = loaded.dtype
-        self.block_size = config.block_size
-        self.backend = TritonPagedAttention()
+        super().__init__(config, loaded, device, TritonPagedAttention())
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
-        self.memory_profile: MemoryProfile | None = None
         self.max_model_len = 0
         self.state: RequestStateTable | None = None
         self.inputs: InputBuffers | None = None
