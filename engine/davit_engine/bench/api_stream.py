@@ -43,7 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import davit_engine
-from davit_engine.bench.sse_client import Endpoint, HTTPStatusError, SSEConnection
+from davit_engine.bench.sse_client import (
+    Endpoint,
+    HTTPStatusError,
+    SSEConnection,
+    parse_completion_chunk,
+)
 from davit_engine.config import EngineConfig
 from davit_engine.types import (
     EngineRequest,
@@ -300,18 +305,15 @@ class _StreamCounter:
 
     def feed(self, data: bytes, arrived: float) -> bool:
         """Take one event's data and when it arrived; False once the stream carried an error."""
-        if data == b"[DONE]":
+        chunk = parse_completion_chunk(data)
+        if chunk is None:
             return True
-        chunk = json.loads(data)
-        if "error" in chunk:
-            self.result.error = str(chunk["error"].get("message"))
+        if chunk.error is not None:
+            self.result.error = chunk.error
             return False
-        if chunk.get("usage"):
-            self.result.usage_tokens = int(chunk["usage"]["completion_tokens"])
-        if not chunk.get("choices"):
-            return True
-        choice = chunk["choices"][0]
-        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        if chunk.completion_tokens is not None:
+            self.result.usage_tokens = chunk.completion_tokens
+        text = chunk.text
         if not text:
             return True
         if self.last is None:

@@ -41,7 +41,12 @@ from typing import Any
 import httpx
 
 import davit_engine
-from davit_engine.bench.sse_client import ConnectionPool, Endpoint, HTTPStatusError
+from davit_engine.bench.sse_client import (
+    ConnectionPool,
+    Endpoint,
+    HTTPStatusError,
+    parse_completion_chunk,
+)
 
 ITL_DEFINITION = (
     "per output token after the first chunk: a chunk of n tokens arriving g after the "
@@ -202,25 +207,20 @@ class _StreamRecorder:
         self.error = ""
 
     def on_event(self, data: bytes, arrived: float) -> bool:
-        if data == b"[DONE]":
+        chunk = parse_completion_chunk(data)
+        if chunk is None:
             return True
-        chunk = json.loads(data)
-        if "error" in chunk:
-            self.error = str(chunk["error"].get("message"))
+        if chunk.error is not None:
+            self.error = chunk.error
             return False
-        usage = chunk.get("usage")
-        if usage:
-            self.output_tokens = int(usage["completion_tokens"])
-        choices = chunk.get("choices")
-        if not choices:
-            return True
-        text = choices[0].get("text")
-        if not text:
+        if chunk.completion_tokens is not None:
+            self.output_tokens = chunk.completion_tokens
+        if not chunk.text:
             return True
         self.arrivals.append(arrived)
-        self.text_lengths.append(len(text))
-        if usage:
-            self.cumulative.append(self.output_tokens or 0)
+        self.text_lengths.append(len(chunk.text))
+        if chunk.completion_tokens is not None:
+            self.cumulative.append(chunk.completion_tokens)
         return True
 
     def result(self, start: float, end: float) -> RequestResult:

@@ -33,6 +33,34 @@ OnEvent = Callable[[bytes, float], bool]
 _READ_SIZE = 1 << 16
 
 
+@dataclass
+class CompletionChunk:
+    """One streamed completion or chat-completion event, reduced to what a load generator
+    counts: the first choice's text (or delta content), the usage's completion tokens when the
+    event carries usage, or the error the server streamed instead."""
+
+    text: str = ""
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+def parse_completion_chunk(data: bytes) -> CompletionChunk | None:
+    """The event's chunk; None for the final `[DONE]`."""
+    if data == b"[DONE]":
+        return None
+    chunk = json.loads(data)
+    if "error" in chunk:
+        return CompletionChunk(error=str(chunk["error"].get("message")))
+    usage = chunk.get("usage")
+    tokens = int(usage["completion_tokens"]) if usage else None
+    choices = chunk.get("choices")
+    if not choices:
+        return CompletionChunk(completion_tokens=tokens)
+    choice = choices[0]
+    text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+    return CompletionChunk(text=text or "", completion_tokens=tokens)
+
+
 class HTTPStatusError(Exception):
     """The server answered with a status other than 200; its body has been read."""
 
