@@ -224,6 +224,27 @@ def _done_fields(t: Target) -> dict[str, Any]:
     }
 
 
+def _became_stable(
+    inp: Inputs,
+    revisions: list[dict[str, Any]],
+    message: str,
+    *,
+    settled: bool,
+    **fields: Any,
+) -> Decision:
+    """The target just became the stable revision: status Complete, one RolloutComplete event."""
+    t = inp.target
+    rollout = _base(inp, **_done_fields(t), stableRevision=t.revision, message=message, **fields)
+    return _on_target(
+        inp,
+        rollout,
+        revisions,
+        ("False", "Complete", message),
+        events=[(NORMAL, "RolloutComplete", message)],
+        settled=settled,
+    )
+
+
 def _first_revision(inp: Inputs) -> Decision:
     """No revision was ever good: the spec's revision is rolled out directly and becomes
     stable once ready (there is nothing to roll back to)."""
@@ -234,20 +255,8 @@ def _first_revision(inp: Inputs) -> Decision:
     if obs.stable_done and obs.stable_revision == t.revision:
         revisions = _close(revisions, t.revision, "Succeeded", "Available", "", inp.now)
         message = f"revision {t.revision} is stable"
-        rollout = _base(
-            inp,
-            **_done_fields(t),
-            strategy=inp.spec.strategy,
-            stableRevision=t.revision,
-            message=message,
-            analysis=None,
-        )
-        return _on_target(
-            inp,
-            rollout,
-            revisions,
-            ("False", "Complete", message),
-            events=[(NORMAL, "RolloutComplete", message)],
+        return _became_stable(
+            inp, revisions, message, settled=True, strategy=inp.spec.strategy, analysis=None
         )
     rollout = _base(
         inp,
@@ -427,15 +436,8 @@ def _complete(inp: Inputs) -> Decision:
         list(inp.revisions), t.revision, "Succeeded", "Promoted", "all replicas ready", inp.now
     )
     message = f"revision {t.revision} is stable (was {inp.old.get('stableRevision')})"
-    rollout = _base(inp, **_done_fields(t), stableRevision=t.revision, message=message)
-    return _on_target(
-        inp,
-        rollout,
-        revisions,
-        ("False", "Complete", message),
-        events=[(NORMAL, "RolloutComplete", message)],
-        settled=False,  # one more pass removes the canary Deployment
-    )
+    # settled=False: one more pass removes the canary Deployment
+    return _became_stable(inp, revisions, message, settled=False)
 
 
 def _analysis(inp: Inputs) -> dict[str, Any] | None:
