@@ -1069,6 +1069,7 @@ def _engine_workload(args: argparse.Namespace, name: str, **core_kw: Any) -> dic
 def section_pdl(args: argparse.Namespace) -> None:
     """W2 and W1 (async engine loop, V2 graphs) with programmatic dependent launch set by each
     of `--pdl-values` (`DAVIT_PDL`); W2's greedy tokens must not change."""
+    from davit_engine.kernels import pdl
     from davit_engine.kernels.pdl import PDL_ENV
 
     before = os.environ.get(PDL_ENV)
@@ -1077,6 +1078,7 @@ def section_pdl(args: argparse.Namespace) -> None:
             first: dict[str, list[int]] | None = None
             for value in args.pdl_values.split(","):
                 os.environ[PDL_ENV] = value
+                pdl.refresh()
                 res = _engine_workload(args, name)
                 outputs = res.pop("outputs")
                 if name == "w2":
@@ -1089,6 +1091,7 @@ def section_pdl(args: argparse.Namespace) -> None:
             os.environ.pop(PDL_ENV, None)
         else:
             os.environ[PDL_ENV] = before
+        pdl.refresh()
 
 
 def section_w3(args: argparse.Namespace) -> None:

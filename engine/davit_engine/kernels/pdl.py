@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -41,22 +43,34 @@ def gdc_enter(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]
         gdc_launch_dependents()
 
 
+_OFF = {"USE_GDC": False}
+
+
 @functools.cache
-def _capable(device_index: int) -> bool:
-    major, _ = torch.cuda.get_device_capability(device_index)
-    return major >= 9
+def _options(device_type: str, device_index: int | None) -> Mapping[str, Any]:
+    """Decided once per device (a kernel launch is a hot path); `refresh()` after changing
+    `DAVIT_PDL` in a running process."""
+    enabled = (
+        _HAVE_GDC
+        and device_type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get(PDL_ENV, "1") != "0"
+    )
+    if enabled:
+        index = device_index if device_index is not None else torch.cuda.current_device()
+        enabled = torch.cuda.get_device_capability(index)[0] >= 9
+    return MappingProxyType({"USE_GDC": True, "launch_pdl": True} if enabled else _OFF)
+
+
+def refresh() -> None:
+    """Forget the per-device decisions (they are read again from the environment)."""
+    _options.cache_clear()
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    if not _HAVE_GDC or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get(PDL_ENV, "1") == "0":
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return bool(_options(device.type, device.index)["USE_GDC"])
 
 
-def pdl_launch(device: torch.device) -> dict[str, Any]:
+def pdl_launch(device: torch.device) -> Mapping[str, Any]:
     """Keyword arguments for a kernel launch whose kernel starts with `gdc_enter(USE_GDC)`."""
-    if pdl_enabled(device):
-        return {"USE_GDC": True, "launch_pdl": True}
-    return {"USE_GDC": False}
+    return _options(device.type, device.index)
