@@ -5,6 +5,10 @@ nodes), installs the CRD, runs `davit operator` against it, applies examples plu
 operator must refuse, waits for them to settle, prints what a user would look at (`kubectl get
 infsvc`, an InferenceService's status, the Deployment it produced, where the pods run) and tears
 everything down. Exit status 0 means every example became Ready and the refusal stalled.
+
+The fake nodes run no containers, so the operator cannot take a memory profile there (its
+profiling Job would never report): the demo runs it with `--no-memory-profiling`, and each
+status shows the operator's estimate (`memoryPlan.source: estimate`).
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def run_demo(example_names: list[str], timeout: float) -> int:
                     "",
                     "--drift-interval",
                     "2",
+                    "--no-memory-profiling",  # fake nodes: no profiling Job can report
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -122,15 +127,19 @@ def run_demo(example_names: list[str], timeout: float) -> int:
             status = cluster.kubectl_json("get", "infsvc", first, "-n", NAMESPACE)["status"]
             print(yaml.safe_dump(status, sort_keys=False, width=100))
             _section(f"the Deployment {first} (container)")
-            deployment = cluster.kubectl_json("get", "deployment", first, "-n", NAMESPACE)
-            pod_spec = deployment["spec"]["template"]["spec"]
-            shown = {
-                "image": pod_spec["containers"][0]["image"],
-                "command": pod_spec["containers"][0]["command"] + pod_spec["containers"][0]["args"],
-                "resources": pod_spec["containers"][0]["resources"],
-                "nodeSelector": pod_spec.get("nodeSelector", {}),
-            }
-            print(yaml.safe_dump(shown, sort_keys=False, width=100))
+            try:
+                deployment = cluster.kubectl_json("get", "deployment", first, "-n", NAMESPACE)
+            except ClusterError as err:
+                print(f"no Deployment: {err}")
+            else:
+                container = deployment["spec"]["template"]["spec"]["containers"][0]
+                shown = {
+                    "image": container["image"],
+                    "command": container["command"] + container["args"],
+                    "resources": container["resources"],
+                    "nodeSelector": deployment["spec"]["template"]["spec"].get("nodeSelector", {}),
+                }
+                print(yaml.safe_dump(shown, sort_keys=False, width=100))
             _section("pods and their (fake) nodes")
             print(cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide").stdout)
             _section(f"why {REFUSED['metadata']['name']} stalled")
