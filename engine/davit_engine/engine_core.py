@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.engine_flags import load_logits_processors
 from davit_engine.loader import load_model
 from davit_engine.memory.allocator import configure_cuda_allocator
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.sampler import check_logits_processors
 from davit_engine.runner.select import create_runner, resolve_device, select_runner

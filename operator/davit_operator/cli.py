@@ -156,21 +156,3 @@ def peering_priority(peering: str | None, priority: int | None) -> int:
     if peering is None:
         return 0
     return random.SystemRandom().randint(1, 2**31 - 1)
-
-
-def operator_cli_main(command: str, rest: list[str]) -> int:
-    """Entry for `davit operator|crds|cluster ...`; returns the process exit code."""
-    if command == "operator":
-        return run_operator(rest)
-    if command == "crds":
-        from davit_operator.api.crdgen import crdgen_main
-
-        return crdgen_main(rest)
-    if command == "cluster":
-        from davit_operator.devcluster.cli import devcluster_main
-
-        return devcluster_main(rest)
-    print(
-        f"davit: {command!r} is not an operator command (operator, crds, cluster)", file=sys.stderr
-    )
-    return 2

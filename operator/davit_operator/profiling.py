@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from davit_engine.memory.profile import MemoryProfile, ProfileFormatError
+from davit_contract.profile import MemoryProfile, ProfileFormatError
 from davit_operator.builders import Owner
 from davit_operator.builders.profile_job import (
     PROFILE_KEY,

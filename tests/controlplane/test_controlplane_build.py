@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from davit_operator.devcluster import LocalCluster, pinned_versions
-from davit_operator.devcluster.paths import BINARIES
+from davit_tools.devcluster import LocalCluster, pinned_versions
+from davit_tools.devcluster.paths import BINARIES
 
 pytestmark = pytest.mark.cluster
 

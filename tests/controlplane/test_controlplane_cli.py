@@ -1,4 +1,4 @@
-"""``python -m davit_operator.devcluster``: a detached cluster outlives ``up`` and ``down`` ends it."""
+"""``python -m davit_tools.devcluster``: a detached cluster outlives ``up`` and ``down`` ends it."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from davit_operator.devcluster import LocalCluster
-from davit_operator.devcluster.cli import devcluster_main
+from davit_tools.devcluster import LocalCluster
+from davit_tools.devcluster.cli import devcluster_main
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "davit_operator.devcluster", f"--state-dir={state_dir}", *args],
+        [sys.executable, "-m", "davit_tools.devcluster", f"--state-dir={state_dir}", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -31,7 +31,7 @@ def test_up_status_env_down(tmp_path: Path) -> None:
     assert _cli(state, "env").returncode == 1
 
     # Two `up` at once: one starts the cluster, the other waits for it and reuses it.
-    argv = [sys.executable, "-m", "davit_operator.devcluster", f"--state-dir={state}", "up"]
+    argv = [sys.executable, "-m", "davit_tools.devcluster", f"--state-dir={state}", "up"]
     racers = [
         subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
-from davit_operator.devcluster import DEFAULT_NODES, LocalCluster, pinned_versions
+from davit_tools.devcluster import DEFAULT_NODES, LocalCluster, pinned_versions
 
 pytestmark = pytest.mark.cluster
 

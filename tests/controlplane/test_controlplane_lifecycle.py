@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from davit_operator.devcluster import ClusterError, FakeNode, LocalCluster
-from davit_operator.devcluster.paths import BINARIES
+from davit_tools.devcluster import ClusterError, FakeNode, LocalCluster
+from davit_tools.devcluster.paths import BINARIES
 
 pytestmark = pytest.mark.cluster
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from davit_operator.devcluster import LocalCluster
+from davit_tools.devcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -14,11 +14,11 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from davit_operator.devcluster import DEFAULT_NODES, ClusterError, LocalCluster
-from davit_operator.devcluster.certs import ClientIdentity, generate_pki
-from davit_operator.devcluster.components import CLIENTS, Ports, component_specs
-from davit_operator.devcluster.paths import pinned_versions
-from davit_operator.devcluster.process import ProcessRecord, free_ports, process_start_ticks
+from davit_tools.devcluster import DEFAULT_NODES, ClusterError, LocalCluster
+from davit_tools.devcluster.certs import ClientIdentity, generate_pki
+from davit_tools.devcluster.components import CLIENTS, Ports, component_specs
+from davit_tools.devcluster.paths import pinned_versions
+from davit_tools.devcluster.process import ProcessRecord, free_ports, process_start_ticks
 
 
 @pytest.mark.parametrize("backend", ["cryptography", "openssl"])
@@ -140,7 +140,7 @@ def test_importing_the_harness_does_not_import_torch() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, davit_operator.devcluster.cli; print('torch' in sys.modules)",
+            "import sys, davit_tools.devcluster.cli; print('torch' in sys.modules)",
         ],
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from davit_operator.devcluster import LocalCluster
+from davit_tools.devcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -23,7 +23,7 @@ from tests.support import reference_gguf
 from .kubelet import EngineKubelet
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NODE = "engine-kubelet-0"
@@ -130,7 +130,7 @@ def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
         [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "operator",
             "--namespace",
             namespace,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from davit_engine.bench import gpu_suite
+from davit_tools.bench import gpu_suite
 
 TINY_FAMILIES = "random:qwen3-tiny,random:llama-tiny,random:qwen2-tiny"
 

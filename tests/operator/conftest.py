@@ -14,7 +14,7 @@ from isvc_cluster import OperatorProcess
 from davit_operator.api.crdgen import default_crd_path
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 
 @pytest.fixture(scope="session")

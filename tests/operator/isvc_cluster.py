@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 
 def free_port() -> int:
@@ -56,7 +56,7 @@ class OperatorProcess:
         argv = [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "operator",
             *(["--all-namespaces"] if self.all_namespaces else ["--namespace", self.namespace]),
             "--kubeconfig",

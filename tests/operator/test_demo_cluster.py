@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from davit_operator.demo import DEFAULT_EXAMPLES, run_demo
+from davit_tools.demo import DEFAULT_EXAMPLES, run_demo
 
 
 def test_demo_settles_every_example(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,10 +16,10 @@ import pytest
 from isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_for
 from isvc_helpers import merge
 
-from davit_engine.memory.profile import MemoryProfile
+from davit_contract.profile import MemoryProfile
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

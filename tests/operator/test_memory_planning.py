@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from isvc_helpers import make_spec
 
-from davit_engine.memory.profile import MemoryProfile
+from davit_contract.profile import MemoryProfile
 from davit_operator.builders import Owner, deployment
 from davit_operator.builders.profile_job import (
     PROFILE_IDENTITY_LABEL,
@@ -229,8 +229,8 @@ def test_profile_job_runs_the_replicas_image_and_placement() -> None:
 def test_graph_logits_buffer_follows_the_engine(max_num_seqs: int) -> None:
     import torch
 
-    from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
-    from davit_operator.planning.memory import graph_logits_bytes
+    from davit_contract.graphs import graph_batch_sizes, graph_logits_bytes
+    from davit_engine.runner.v2.graphs import DecodeGraphs
 
     shape = SHAPES.shapes["qwen3-0.6b"]
     graphs = DecodeGraphs(
@@ -239,33 +239,39 @@ def test_graph_logits_buffer_follows_the_engine(max_num_seqs: int) -> None:
         shape.vocab_size,
         torch.device("meta"),  # sizes only, no memory
     )
-    assert graph_logits_bytes(shape, max_num_seqs) == graphs.logits_bytes
+    assert graph_logits_bytes(max_num_seqs, shape.vocab_size) == graphs.logits.numel() * 4
+
+
+def _graph_estimate(shape: ModelShape, max_num_seqs: int) -> int:
+    from davit_contract.graphs import cuda_graph_estimate
+
+    return cuda_graph_estimate(
+        max_num_seqs, shape.vocab_size, shape.hidden_size, shape.intermediate_size, 2
+    )
 
 
 def test_graph_estimate_holds_no_logits_per_graph() -> None:
     """The allowance grows with the largest batch, not with the number of captured sizes: 256
     sequences (27 graphs) cost twice 128 (20 graphs)."""
-    from davit_operator.planning.memory import cuda_graph_estimate, graph_logits_bytes
+    from davit_contract.graphs import graph_logits_bytes
 
     shape = SHAPES.shapes["qwen3-0.6b"]
-    assert cuda_graph_estimate(shape, 256, 2) == 2 * cuda_graph_estimate(shape, 128, 2)
-    shared = graph_logits_bytes(shape, 256)
+    assert _graph_estimate(shape, 256) == 2 * _graph_estimate(shape, 128)
+    shared = graph_logits_bytes(256, shape.vocab_size)
     # the shared float32 buffer, then the largest graph's bf16 logits and activations
-    assert shared < cuda_graph_estimate(shape, 256, 2) < 2 * shared
-    assert cuda_graph_estimate(shape, 256, 2) < 0.25 * 2**30
+    assert shared < _graph_estimate(shape, 256) < 2 * shared
+    assert _graph_estimate(shape, 256) < 0.25 * 2**30
 
 
 def test_graph_estimate_against_the_h200_measurements() -> None:
     """Rows of the memory check with shared graph logits: the pool plus the shared buffer."""
-    from davit_operator.planning.memory import cuda_graph_estimate
-
     rows = [json.loads(line) for line in (PROFILES / "h200-memory-check.jsonl").open()]
     shared = [r for r in rows if r.get("graph_logits") == "shared" and "measured" in r]
     assert shared, "h200-memory-check.jsonl holds no run with shared graph logits"
     for row in shared:
         shape = SHAPES.shapes[row["shape"]]
         measured = row["measured"]["cuda_graph_bytes"] + row["graph_logits_buffer_bytes"]
-        estimate = cuda_graph_estimate(shape, row["max_num_seqs"], 2)
+        estimate = _graph_estimate(shape, row["max_num_seqs"])
         assert abs(estimate - measured) / measured < 0.25, row["shape"]
 
 

@@ -1,4 +1,4 @@
-"""`davit operator|crds|cluster` dispatch and flag validation."""
+"""`davit operator` and `davit crds`: flag validation and the console entry."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from davit_operator.cli import operator_cli_main
+from davit_operator.cli import run_operator
 
 
 def test_crds_check_through_the_console_entry() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "davit_engine.cli", "crds", "--check"],
+        [sys.executable, "-m", "davit_cli", "crds", "--check"],
         capture_output=True,
         text=True,
         check=False,
@@ -23,34 +23,14 @@ def test_crds_check_through_the_console_entry() -> None:
 
 def test_operator_requires_a_scope(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        operator_cli_main("operator", [])
+        run_operator([])
     assert exit_info.value.code == 2
     assert "--namespace" in capsys.readouterr().err
 
 
 def test_operator_refuses_a_non_positive_drift_interval(capsys: pytest.CaptureFixture[str]) -> None:
-    assert operator_cli_main("operator", ["-A", "--drift-interval", "0"]) == 2
+    assert run_operator(["-A", "--drift-interval", "0"]) == 2
     assert "--drift-interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
-
-
-def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    assert operator_cli_main("serve", []) == 2
-    assert "not an operator command" in capsys.readouterr().err
-
-
-def test_cluster_is_forwarded_to_the_devcluster(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        operator_cli_main("cluster", ["--help"])
-    assert exit_info.value.code == 0
-    assert "up" in capsys.readouterr().out
-
-
-def test_demo_refuses_an_unknown_example(capsys: pytest.CaptureFixture[str]) -> None:
-    from davit_operator.demo import main
-
-    assert main(["no-such-example.yaml"]) == 2
-    err = capsys.readouterr().err
-    assert "no such example no-such-example.yaml" in err and "cpu-smollm2.yaml" in err
 
 
 def test_peering_priorities_are_distinct_unless_given() -> None:

@@ -13,7 +13,7 @@ from isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_
 from isvc_helpers import example_documents, merge
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_a
 from davit_operator.planning import make_plan
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ import pytest
 from isvc_cluster import OperatorProcess, condition, get_json, wait_for
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ import yaml
 from .tools import CHART, Helm
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -29,7 +29,7 @@ from .test_chart_cluster import chart_crds, helm_install, notes_example, wait_av
 from .tools import Helm
 
 if TYPE_CHECKING:
-    from davit_operator.devcluster import LocalCluster
+    from davit_tools.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 __all__ = ["chart_crds"]  # the fixture, imported for this module's tests
@@ -108,7 +108,7 @@ class LocalOperator:
         argv = [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "operator",
             *kept,
             "--metrics-port=0",

@@ -64,7 +64,7 @@ def test_helm_lint_strict(helm: Helm, mode: list[str]) -> None:
 
 def test_chart_versions_match_the_project() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "operator" / "pyproject.toml").read_text())["project"]
     assert chart["apiVersion"] == "v2"
     assert chart["appVersion"] == project["version"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -44,7 +44,9 @@ def ids(paths: list[Path]) -> list[str]:
 
 
 def project_version() -> str:
-    return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
+    return str(
+        tomllib.loads((REPO / "engine" / "pyproject.toml").read_text())["project"]["version"]
+    )
 
 
 def test_engine_recipes_are_exactly_the_variants() -> None:

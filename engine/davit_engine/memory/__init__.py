@@ -3,7 +3,7 @@
 `profile` (plain data, no torch) is what the operator reads; `profiler` measures a runner.
 """
 
-from davit_engine.memory.profile import (
+from davit_contract.profile import (
     SCHEMA_VERSION,
     MemoryBreakdown,
     MemoryProfile,

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
+from davit_contract.graphs import graph_batch_sizes
+from davit_engine.runner.v2.graphs import DecodeGraphs
 
 
 def probe_v2_graphs(runner: Any) -> tuple[int, int, tuple[int, ...]]:

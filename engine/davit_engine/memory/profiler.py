@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import davit_engine
-from davit_engine.memory.profile import (
+from davit_contract.profile import (
     KvSource,
     MemoryBreakdown,
     MemoryProfile,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata
 from davit_engine.loader import LoadedModel, ModelConfig
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.models.llama import LlamaForCausalLM
 from davit_engine.runner.base import ModelRunner
 

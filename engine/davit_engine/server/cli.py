@@ -20,6 +20,7 @@ from types import FrameType
 
 import uvicorn
 
+from davit_contract import engine_defaults
 from davit_engine.config import EngineConfig
 from davit_engine.engine_flags import (
     check_compilation_config,
@@ -98,9 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--max-model-len", type=_int_at_least(1), default=None)
-    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    engine.add_argument("--max-num-seqs", type=_int_at_least(1), default=256)
-    engine.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048)
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=engine_defaults.BLOCK_SIZE,
+        choices=list(engine_defaults.BLOCK_SIZES),
+    )
+    engine.add_argument(
+        "--max-num-seqs", type=_int_at_least(1), default=engine_defaults.MAX_NUM_SEQS
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_at_least(1),
+        default=engine_defaults.MAX_NUM_BATCHED_TOKENS,
+    )
     engine.add_argument(
         "--max-queue-len",
         type=_int_at_least(0),
@@ -115,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--num-gpu-blocks-override", type=_int_at_least(1), default=None)
     engine.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument(
+        "--gpu-memory-utilization", type=float, default=engine_defaults.GPU_MEMORY_UTILIZATION
+    )
     engine.add_argument("--runner", default="auto", choices=["auto", "v1", "v2"])
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument(

@@ -2,7 +2,7 @@
 
 Pure functions (no I/O). Three sources size the KV cache, in this order of preference:
 - `explicit`: `limits.kvCacheMemoryBytes` in the spec, passed to every replica as is;
-- `profile`: a measured engine profile (davit_engine.memory) stored for this identity, whose
+- `profile`: a measured engine profile (davit_contract.profile) stored for this identity, whose
   KV bytes every replica gets as `--kv-cache-memory-bytes`;
 - `estimate`: arithmetic from the model's shape and the accelerator's memory; used for the
   pre-flight check and reported while no profile exists (engines then size themselves).
@@ -27,7 +27,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from davit_engine.memory.profile import MemoryProfile
+from davit_contract import engine_defaults
+from davit_contract.graphs import cuda_graph_estimate
+from davit_contract.profile import MemoryProfile
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.planning.errors import PlanError
 
@@ -36,11 +38,6 @@ if TYPE_CHECKING:
 
 MemorySource = Literal["explicit", "profile", "estimate", "pending"]
 
-# Engine defaults when the spec leaves a limit unset (the engine's own flag defaults).
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-DEFAULT_BLOCK_SIZE = 16
 ACCELERATOR_DTYPE_BYTES = 2  # bf16 on accelerators
 # Estimate of what the shape does not say: CUDA context and library workspaces (0.77 GiB
 # measured on an H200 with torch 2.11).
@@ -173,9 +170,9 @@ def effective_limits(spec: InferenceServiceSpec, shape: ModelShape) -> Limits:
     lim = spec.limits
     return Limits(
         max_model_len=lim.max_model_len or shape.max_position_embeddings,
-        max_num_seqs=lim.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens=lim.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        gpu_memory_utilization=lim.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_num_seqs=lim.max_num_seqs or engine_defaults.MAX_NUM_SEQS,
+        max_num_batched_tokens=lim.max_num_batched_tokens or engine_defaults.MAX_NUM_BATCHED_TOKENS,
+        gpu_memory_utilization=lim.gpu_memory_utilization or engine_defaults.GPU_MEMORY_UTILIZATION,
     )
 
 
@@ -236,12 +233,18 @@ def estimate_memory(
     )
     logits = limits.max_num_seqs * shape.vocab_size * 4
     activation = t * width * dtype_bytes + 3 * logits
-    graphs = cuda_graph_estimate(shape, limits.max_num_seqs, dtype_bytes)
+    graphs = cuda_graph_estimate(
+        limits.max_num_seqs,
+        shape.vocab_size,
+        shape.hidden_size,
+        shape.intermediate_size,
+        dtype_bytes,
+    )
     budget = int(device_bytes * limits.gpu_memory_utilization)
     room = budget - (weights + activation + graphs + NON_TORCH_ESTIMATE_BYTES)
     largest = 0
     if room > 0:
-        largest = room // per_token // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+        largest = room // per_token // engine_defaults.BLOCK_SIZE * engine_defaults.BLOCK_SIZE
         largest = min(largest, shape.max_position_embeddings)
     return MemoryEstimate(
         device_bytes=device_bytes,
@@ -254,24 +257,6 @@ def estimate_memory(
         max_model_len=limits.max_model_len,
         largest_max_model_len=int(largest),
     )
-
-
-def graph_logits_bytes(shape: ModelShape, max_num_seqs: int) -> int:
-    """The float32 logits buffer `[max_num_seqs, vocab]` every decode graph of runner V2 writes
-    (davit_engine.runner.v2.graphs, which imports torch; a test keeps the two equal)."""
-    return max_num_seqs * shape.vocab_size * 4
-
-
-def cuda_graph_estimate(shape: ModelShape, max_num_seqs: int, dtype_bytes: int) -> int:
-    """Runner V2's decode graphs write their logits into one shared float32 buffer (a runner
-    buffer beside the pool, counted here with the graphs) and share one pool, which holds about
-    the largest graph's intermediates: its logits in the model dtype before the conversion and
-    the hidden-sized activations."""
-    shared_logits = graph_logits_bytes(shape, max_num_seqs)
-    largest = max_num_seqs * (
-        shape.vocab_size + 4 * shape.hidden_size + 2 * shape.intermediate_size
-    )
-    return shared_logits + largest * dtype_bytes
 
 
 def _gib(n: int) -> str:
@@ -394,7 +379,7 @@ class MemoryPlan:
 
 
 def _capacity(kv_bytes: int, per_token: int, max_model_len: int) -> tuple[int, float]:
-    tokens = kv_bytes // per_token // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    tokens = kv_bytes // per_token // engine_defaults.BLOCK_SIZE * engine_defaults.BLOCK_SIZE
     return int(tokens), round(tokens / max_model_len, 2)
 
 

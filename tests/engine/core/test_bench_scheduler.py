@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from davit_engine.core import bench_scheduler
+from davit_tools.bench import scheduler as bench_scheduler
 
 
 def test_benchmark_runs_every_request_to_pure_decode() -> None:

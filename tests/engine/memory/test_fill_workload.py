@@ -6,7 +6,7 @@ import time
 
 from davit_engine.config import EngineConfig
 from davit_engine.engine_core import EngineCore
-from davit_engine.memory.gpu_check import _fill_workload, plan_lengths
+from davit_tools.bench.memory_check import _fill_workload, plan_lengths
 
 
 def test_plan_lengths_keep_every_request_at_the_same_total() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 from server.harness import ServeProcess
 
-from davit_engine.memory.profile import MemoryProfile
+from davit_contract.profile import MemoryProfile
 
 
 def test_the_server_serves_its_startup_profile(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.engine_core import EngineCore
 from davit_engine.memory import profile_only
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.memory.profiler import CPU_KV_CAP_BYTES
 from davit_engine.types import ParamError
 
@@ -86,7 +86,7 @@ def test_profile_only_prints_writes_and_serves_nothing(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "serve",
             TINY,
             "--dtype",
@@ -119,7 +119,7 @@ def test_profile_only_failure_exits_1(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "serve",
             TINY,
             "--gpu-memory-utilization",

@@ -78,7 +78,7 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
-        command = [sys.executable, "-m", "davit_engine.cli", "serve", *args]
+        command = [sys.executable, "-m", "davit_cli", "serve", *args]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(

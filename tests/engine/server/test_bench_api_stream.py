@@ -1,4 +1,4 @@
-"""`python -m davit_engine.bench.api_stream` end to end: server child, core process, clients."""
+"""`python -m davit_tools.bench.api_stream` end to end: server child, core process, clients."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from davit_engine.bench.api_stream import main
 from davit_engine.bench.sse_client import (
     ConnectionPool,
     Endpoint,
     HTTPStatusError,
     SSEConnection,
 )
+from davit_tools.bench.api_stream import main
 
 from .conftest import serve_fake
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from davit_engine.bench import api_stream
 from davit_engine.bench.serve import (
     chunk_token_counts,
     percentile,
@@ -20,6 +19,7 @@ from davit_engine.bench.serve import (
 )
 from davit_engine.config import EngineConfig
 from davit_engine.server.app import create_app
+from davit_tools.bench import api_stream
 
 from .conftest import serve_fake
 from .harness import threaded_server

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from davit_engine.bench.api_stream import SCRIPT, StreamCore
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.client import EngineDeadError
 from davit_engine.ipc.core_process import CoreLoop
@@ -34,6 +33,7 @@ from davit_engine.types import (
     SamplingParams,
     TokenLogprob,
 )
+from davit_tools.bench.api_stream import SCRIPT, StreamCore
 
 
 def delta(

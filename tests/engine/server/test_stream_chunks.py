@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from davit_engine.bench.api_stream import SCRIPT, TOKENS_PER_STEP_ENV
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.app import create_app
@@ -34,6 +33,7 @@ from davit_engine.server.routes.common import ChunkEncoder
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.tokenizer import ByteTokenizer
 from davit_engine.types import FinishReason, RequestDelta, SamplingParams, TokenLogprob
+from davit_tools.bench.api_stream import SCRIPT, TOKENS_PER_STEP_ENV
 
 from .conftest import FakeServer, byte_tokenizer
 from .harness import threaded_server
@@ -175,7 +175,7 @@ def serve_stream_core(tokens_per_step: int) -> Iterator[FakeServer]:
     try:
         app = create_app(
             EngineConfig(model=MODEL, max_model_len=4096),
-            core_factory="davit_engine.bench.api_stream:StreamCore",
+            core_factory="davit_tools.bench.api_stream:StreamCore",
             tokenizer_loader=byte_tokenizer,
         )
         with threaded_server(app) as base_url:

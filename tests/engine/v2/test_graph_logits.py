@@ -12,12 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from davit_contract.graphs import graph_batch_sizes
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.loader import LoadedModel, load_model
 from davit_engine.runner.v2 import RunnerV2
-from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
+from davit_engine.runner.v2.graphs import DecodeGraphs
 from davit_engine.types import EngineRequest, SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -22,18 +22,9 @@ from typing import Protocol
 
 import torch
 
+from davit_contract.graphs import graph_logits_bytes
+
 logger = logging.getLogger(__name__)
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 128, then every 16: padding stays under ~12%."""
-    sizes = [1, 2, 4, 8]
-    sizes += list(range(16, 129, 8))
-    sizes += list(range(144, max_num_seqs + 1, 16))
-    sizes = [s for s in sizes if s <= max_num_seqs]
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
 
 
 class Replayable(Protocol):
@@ -67,7 +58,7 @@ class DecodeGraphs:
 
     @property
     def logits_bytes(self) -> int:
-        return self.logits.numel() * self.logits.element_size()
+        return graph_logits_bytes(self.sizes[-1], self.logits.shape[1])
 
     def capture(self) -> None:
         began = time.perf_counter()

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from davit_contract.graphs import graph_batch_sizes
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.kernels.attention_backend import NUM_KV_SPLITS_KEY, TritonPagedAttention
@@ -29,7 +30,7 @@ from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
 from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
 from davit_engine.runner.v2.fused_layers import install_fused_layers
-from davit_engine.runner.v2.graphs import DecodeGraphs, graph_batch_sizes
+from davit_engine.runner.v2.graphs import DecodeGraphs
 from davit_engine.runner.v2.pending import PendingStep
 from davit_engine.runner.v2.sampler import sample_step
 from davit_engine.runner.v2.state import RequestStateTable, StepRows

@@ -1,7 +1,7 @@
 """Kernel timings on the GPU: one group of cases per flag, one JSON line per case on stdout.
 
-    python3 -m davit_engine.bench.kernel_timing --sampling
-    python3 -m davit_engine.bench.kernel_timing --sampling --rows 256 --logits 'randn*3'
+    python3 -m davit_tools.bench.kernel_timing --sampling
+    python3 -m davit_tools.bench.kernel_timing --sampling --rows 256 --logits 'randn*3'
 
 Every line carries its configuration, the device and the software versions. `graph_us` is the
 time per call inside one CUDA graph of `--replays` calls (no launch gaps: what a captured step
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from davit_engine.bench.timing import eager_us, graph_us
+from davit_tools.bench.timing import eager_us, graph_us
 
 SAMPLING_CASES: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},

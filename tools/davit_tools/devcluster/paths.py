@@ -73,7 +73,7 @@ def default_stage_dir(bin_dir: Path) -> Path:
 
 
 def cli_state_dir() -> Path:
-    """State of the detached cluster run by ``python -m davit_operator.devcluster up``."""
+    """State of the detached cluster run by ``python -m davit_tools.devcluster up``."""
     return cache_root() / "cluster"
 
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from davit_engine.bench.timing import graph_us
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import SchedulerOutput
 from davit_engine.engine_core import EngineCore
 from davit_engine.types import EngineRequest, SamplingParams
+from davit_tools.bench.timing import graph_us
 
 RESULTS: list[dict[str, Any]] = []
 OUT = Path(os.environ.get("OUT", "/tmp/davit-gpu-suite"))
@@ -1117,7 +1117,7 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
         [
             sys.executable,
             "-m",
-            "davit_engine.cli",
+            "davit_cli",
             "serve",
             args.w1_model,
             "--tokenizer",
@@ -1154,7 +1154,7 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
         # one short run first: Triton compiles the eager kernels on first use, not timed
         subprocess.run(
             [
-                sys.executable, "-m", "davit_engine.cli", "bench", "serve",
+                sys.executable, "-m", "davit_cli", "bench", "serve",
                 "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "8",
                 "--input-len", "1024", "--output-len", "16", "--concurrency", "8",
             ],
@@ -1171,7 +1171,7 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
                 [
                     sys.executable,
                     "-m",
-                    "davit_engine.cli",
+                    "davit_cli",
                     "bench",
                     "serve",
                     "--base-url",

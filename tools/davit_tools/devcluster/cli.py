@@ -1,8 +1,8 @@
-"""``python -m davit_operator.devcluster up|down|status|env``: one detached local cluster.
+"""``python -m davit_tools.devcluster up|down|status|env``: one detached local cluster.
 
 The cluster's state (certificates, kubeconfig, etcd data, logs, pids) lives in
 ``${DAVIT_CACHE:-~/.cache/davit}/cluster/``. ``up`` prints the kubeconfig path on stdout (and
-nothing else), so ``export KUBECONFIG=$(python -m davit_operator.devcluster up)`` works.
+nothing else), so ``export KUBECONFIG=$(python -m davit_tools.devcluster up)`` works.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from .process import ClusterError
 
 
 def devcluster_main(argv: list[str], prog: str | None = None) -> int:
-    """Entry point shared by ``python -m davit_operator.devcluster`` and ``davit cluster``.
+    """Entry point shared by ``python -m davit_tools.devcluster`` and ``davit cluster``.
 
     ``argv`` excludes the program name; ``prog`` is the name shown in help and usage messages.
     Returns the exit status.
     """
     parser = argparse.ArgumentParser(
-        prog=prog or "python -m davit_operator.devcluster",
+        prog=prog or "python -m davit_tools.devcluster",
         description="Run a local Kubernetes control plane with fake GPU nodes (KWOK).",
     )
     parser.add_argument(
@@ -91,7 +91,7 @@ def _up(state_dir: Path, timeout: float) -> int:
     cluster.start()
     print(
         f"ready in {cluster.startup_seconds:.1f} s at {cluster.server} with "
-        f"{len(cluster.nodes)} fake nodes; stop it with `python -m davit_operator.devcluster down`",
+        f"{len(cluster.nodes)} fake nodes; stop it with `python -m davit_tools.devcluster down`",
         file=sys.stderr,
     )
     print(cluster.kubeconfig)
@@ -130,7 +130,7 @@ def _env(state_dir: Path) -> int:
     cluster = LocalCluster.from_state(state_dir)
     if cluster is None or not cluster.is_running():
         print(
-            "error: no running cluster; start one with `python -m davit_operator.devcluster up`",
+            "error: no running cluster; start one with `python -m davit_tools.devcluster up`",
             file=sys.stderr,
         )
         return 1

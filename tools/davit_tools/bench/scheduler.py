@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU side of a step: `schedule()` + `update_from_output()`.
 
-Run: `python -m davit_engine.core.bench_scheduler [--num-requests 256 ...]`. The "runner" here
+Run: `python -m davit_tools.bench.scheduler [--num-requests 256 ...]`. The "runner" here
 returns a fixed token without touching any KV, so the figure is the scheduler's own cost per
 step, which the GPU step must hide (or, with asynchronous scheduling, overlap).
 """

@@ -1,6 +1,6 @@
 """The demo: local control plane up, operator running, examples applied, status shown.
 
-`python -m davit_operator.demo` starts a temporary local control plane (KWOK fake GPU and CPU
+`python -m davit_tools.demo` starts a temporary local control plane (KWOK fake GPU and CPU
 nodes), installs the CRD, runs `davit operator` against it, applies examples plus one spec the
 operator must refuse, waits for them to settle, prints what a user would look at (`kubectl get
 infsvc`, an InferenceService's status, the Deployment it produced, where the pods run) and tears
@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from davit_operator.api.crdgen import default_crd_path
-from davit_operator.devcluster import ClusterError, LocalCluster
+from davit_tools.devcluster import ClusterError, LocalCluster
 
 EXAMPLES_DIR = default_crd_path().parents[1] / "examples"
 DEFAULT_EXAMPLES = ("qwen3-h200-davit.yaml", "vllm-0.33-h200.yaml", "cpu-smollm2.yaml")
@@ -86,7 +86,7 @@ def run_demo(example_names: list[str], timeout: float) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "davit_engine.cli",
+                    "davit_cli",
                     "operator",
                     "--namespace",
                     NAMESPACE,
@@ -172,7 +172,7 @@ def run_demo(example_names: list[str], timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m davit_operator.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m davit_tools.demo", description=__doc__)
     parser.add_argument(
         "examples",
         nargs="*",

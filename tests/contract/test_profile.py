@@ -11,17 +11,19 @@ from typing import Any
 
 import pytest
 
-from davit_engine.memory.profile import (
+from davit_contract.profile import (
     SCHEMA_VERSION,
     MemoryProfile,
     ProfileFormatError,
 )
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
 
 
 def committed() -> list[Path]:
-    return sorted(PROFILES.glob("*.json"))
+    found = sorted(PROFILES.glob("*.json"))
+    assert found, f"no committed profiles under {PROFILES}"
+    return found
 
 
 @pytest.mark.parametrize("path", committed(), ids=lambda p: p.name)
@@ -95,9 +97,10 @@ def test_not_json_is_refused() -> None:
         MemoryProfile.from_json("[]")
 
 
-def test_the_schema_module_needs_no_torch() -> None:
+def test_the_contract_needs_no_torch() -> None:
     code = (
-        "import sys; import davit_engine.memory.profile; "
+        "import sys; import davit_contract.profile, davit_contract.graphs, "
+        "davit_contract.engine_defaults; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""``python -m davit_operator.devcluster``: see :mod:`davit_operator.devcluster.cli`."""
+"""``python -m davit_tools.devcluster``: see :mod:`davit_tools.devcluster.cli`."""
 
 import sys
 

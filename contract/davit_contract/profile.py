@@ -1,7 +1,7 @@
 """The memory profile: what the engine measured at startup and for which configuration.
 
-Plain dataclasses and JSON, no torch: the operator imports this module to read the profiles
-that profiling Jobs write into their termination message.
+Plain dataclasses and JSON, no torch: the operator reads the profiles
+that profiling Jobs write into their termination message, the engine writes them.
 
 A profile has two halves. `ProfileIdentity` names everything the numbers depend on (image,
 model, device, runner, limits); two engines with equal identities get equal numbers, so one

@@ -1,4 +1,4 @@
-"""`python -m davit_engine.bench.api_stream`: how many streamed tokens/s the API process delivers.
+"""`python -m davit_tools.bench.api_stream`: how many streamed tokens/s the API process delivers.
 
 It measures the HTTP front end alone. The real app runs (FastAPI, uvicorn, the engine client,
 the engine-core process and the pipe between them), but the core is `StreamCore`: it emits
@@ -69,7 +69,7 @@ EOS_TOKEN_ID = 257
 MAX_MODEL_LEN = 1 << 20
 MODEL = "api-stream-bench"
 # The module's import name even when it runs as `__main__` (the core process imports it).
-MODULE = "davit_engine.bench.api_stream"
+MODULE = "davit_tools.bench.api_stream"
 
 
 # --- the stand-in engine core (runs in the core process) ---------------------------------------
@@ -560,7 +560,7 @@ def _report(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m davit_engine.bench.api_stream", description=__doc__.split("\n\n")[0]
+        prog="python -m davit_tools.bench.api_stream", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--concurrency", type=int, default=64, help="streams kept in flight")
     p.add_argument("--num-requests", type=int, default=256, help="requests in all")

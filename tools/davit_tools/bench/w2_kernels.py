@@ -1,6 +1,6 @@
 """Decode-step kernels at batch 1 on the Llama-3.1-8B shape, each timed inside a CUDA graph.
 
-`python3 -m davit_engine.bench.w2_kernels` prints one JSON line per measurement (configuration
+`python3 -m davit_tools.bench.w2_kernels` prints one JSON line per measurement (configuration
 included): the library GEMM for every linear shape of the model at 1 and 8 rows (weights cycled
 beyond the L2 cache, as in a real step); decode attention at 1,152 keys for several split counts; the fused residual
 add + RMSNorm against the two separate kernels; rotary with the KV-cache write fused against
@@ -14,10 +14,10 @@ import json
 
 import torch
 
-from davit_engine.bench.timing import graph_us
 from davit_engine.kernels.kv_cache import write_kv
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
 from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+from davit_tools.bench.timing import graph_us
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
 

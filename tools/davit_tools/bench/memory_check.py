@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
+from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.engine_core import EngineCore
-from davit_engine.memory.profile import MemoryProfile
 from davit_engine.types import EngineRequest, ParamError, SamplingParams
 
 OUT = Path(os.environ.get("OUT", "/tmp/davit-memory-check"))
@@ -347,7 +347,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m davit_engine.memory.gpu_check")
+    parser = argparse.ArgumentParser(prog="python -m davit_tools.bench.memory_check")
     parser.add_argument(
         "--shapes",
         default="qwen3-0.6b:8192,llama-3.1-8b:8192",

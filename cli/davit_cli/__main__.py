@@ -1,0 +1,5 @@
+import sys
+
+from davit_cli import main
+
+sys.exit(main())
