@@ -203,7 +203,7 @@ def test_engine_recipe(path: Path) -> None:
     assert torch_version and re.fullmatch(r"\d+\.\d+\.\d+", torch_version)
     runs = " ".join(i.args for i in build.all("RUN"))
     assert '"torch==${TORCH_VERSION}"' in runs
-    assert '".[engine]"' in runs
+    assert "pip install ./contract ./cli ./engine" in runs
     # Writable caches live under one folder the operator can mount over a read-only root.
     env = " ".join(i.args for i in final.all("ENV"))
     assert "HF_HOME=/var/cache/davit/" in env and "TRITON_CACHE_DIR=/var/cache/davit/" in env
@@ -222,9 +222,26 @@ def test_operator_recipe() -> None:
     entrypoint = final.last("ENTRYPOINT")
     assert entrypoint is not None and entrypoint.exec_form() == ["davit", "operator"]
     runs = " ".join(i.args for s in dockerfile.stages for i in s.all("RUN"))
-    # The operator image carries no torch: only the [operator] extra is installed.
-    assert '".[operator]"' in runs
-    assert "[engine]" not in runs and "torch" not in runs
+    # The operator image carries no torch and no engine source: only the contract, the
+    # dispatcher and the operator distributions are installed.
+    assert "pip install ./contract ./cli ./operator" in runs
+    assert "torch" not in runs
+
+
+def _copied_sources(path: Path) -> set[str]:
+    sources = set()
+    for stage in parse(path).stages:
+        for copy in stage.all("COPY"):
+            if "from" not in copy.flags():
+                words = [w for w in shlex.split(copy.args) if not w.startswith("--")]
+                sources.update(w.rstrip("/") for w in words[:-1])
+    return sources
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=ids(ALL_FILES))
+def test_each_image_carries_only_its_half(path: Path) -> None:
+    half = "operator" if path == OPERATOR_FILE else "engine"
+    assert _copied_sources(path) == {"contract", "cli", half}
 
 
 @pytest.mark.parametrize("path", ALL_FILES, ids=ids(ALL_FILES))
