@@ -8,13 +8,13 @@
 #
 # Idempotent: every group of binaries carries a stamp naming the exact versions it was built from,
 # and a group whose binaries and stamp are present is skipped, so a warm run takes about a second.
-# Versions are pinned in operator/davit_operator/devcluster/versions.json; the Go wrapper modules
+# Versions are pinned in tools/davit_tools/devcluster/versions.json; the Go wrapper modules
 # under hack/controlplane/{k8s,etcd,kwok}/ pin every dependency (update-modules.sh regenerates them).
 #
 # Environment: DAVIT_CACHE (cache root), DAVIT_CONTROLPLANE_FORCE=1 (rebuild even when stamped).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-versions="$here/../../operator/davit_operator/devcluster/versions.json"
+versions="$here/../../tools/davit_tools/devcluster/versions.json"
 
 log() { echo "controlplane: $*" >&2; }
 die() { log "error: $*"; exit 1; }

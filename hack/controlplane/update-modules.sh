@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the Go wrapper modules (k8s/, etcd/, kwok/) from the pinned versions in
-# operator/davit_operator/devcluster/versions.json. Run it after changing a pin, then commit the
+# tools/davit_tools/devcluster/versions.json. Run it after changing a pin, then commit the
 # resulting go.mod/go.sum files; build.sh only ever builds from the committed modules.
 #
 # k8s.io/kubernetes cannot be built with `go install pkg@version`: its go.mod replaces every
@@ -10,7 +10,7 @@
 # a release adds or drops one.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-versions="$here/../../operator/davit_operator/devcluster/versions.json"
+versions="$here/../../tools/davit_tools/devcluster/versions.json"
 pin() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$versions" "$1"; }
 k8s=$(pin kubernetes)
 etcd=$(pin etcd)

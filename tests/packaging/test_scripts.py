@@ -1,4 +1,4 @@
-"""The helper scripts under hack/packaging/: shellcheck-clean, and tools.sh idempotent."""
+"""The shell scripts under hack/: shellcheck-clean, and tools.sh idempotent."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from .tools import REPO, TOOLS_SCRIPT, Tools
 
-SCRIPTS = sorted((REPO / "hack" / "packaging").glob("*.sh"))
+SCRIPTS = sorted((REPO / "hack").rglob("*.sh"))
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS, ids=[str(s.relative_to(REPO / "hack")) for s in SCRIPTS])
 def test_shellcheck_passes(packaging_tools: Tools, script: Path) -> None:
     result = subprocess.run(
         [str(packaging_tools.shellcheck), "--severity=style", str(script)],
