@@ -109,7 +109,7 @@ def run_operator(argv: list[str]) -> int:
         # One line per object per drift interval says nothing; failures are still logged.
         logging.getLogger("kopf.objects").addFilter(_QuietTimerSuccess())
 
-    from davit_operator.catalog import CatalogError, default_catalog
+    from davit_operator.catalog.loader import CatalogError, default_catalog
     from davit_operator.handlers import OperatorOptions, register
     from davit_operator.metrics import serve_metrics
 

@@ -16,7 +16,7 @@ import kopf
 
 from davit_operator.api import GROUP, PLURAL, VERSION
 from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY
-from davit_operator.catalog import default_catalog
+from davit_operator.catalog.loader import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning import NodeFacts

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders import Owner, children
-from davit_operator.catalog import Catalog
+from davit_operator.catalog.loader import Catalog
 from davit_operator.kube import (
     DESIRED_HASH_ANNOTATION,
     KubeClient,

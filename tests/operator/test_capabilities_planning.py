@@ -21,7 +21,7 @@ from davit_engine.engine_flags import (
 )
 from davit_engine.types import ParamError
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog, CatalogError, load_catalog
+from davit_operator.catalog.loader import Catalog, CatalogError, load_catalog
 from davit_operator.planning import Plan, PlanError, make_plan
 from davit_operator.status import compute_status
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from isvc_helpers import make_spec
 
-from davit_operator.catalog import load_catalog
+from davit_operator.catalog.loader import load_catalog
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning import PlanError, make_plan
 from davit_operator.planning.memory import ShapeError, load_shape_catalog, shape_from_config

@@ -17,7 +17,7 @@ from davit_operator.builders.profile_job import (
     profile_job,
     profile_name,
 )
-from davit_operator.catalog import load_catalog
+from davit_operator.catalog.loader import load_catalog
 from davit_operator.planning import Plan, PlanError, make_plan
 from davit_operator.planning.memory import (
     KV_FLAG,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from davit_operator.catalog import CatalogError, load_catalog, version_key
+from davit_operator.catalog.loader import CatalogError, load_catalog, version_key
 
 PACKAGED = Path(load_catalog.__code__.co_filename).parent
 

@@ -8,7 +8,7 @@ from typing import Any
 from isvc_helpers import make_spec
 
 from davit_operator.builders import Owner, deployment
-from davit_operator.catalog import load_catalog
+from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import DESIRED_HASH_ANNOTATION, is_subset, needs_apply, with_hash
 from davit_operator.planning import make_plan
 

@@ -10,7 +10,7 @@ import yaml
 from isvc_helpers import example_documents, make_spec
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog, load_catalog
+from davit_operator.catalog.loader import Catalog, load_catalog
 from davit_operator.planning import NodeFacts, Plan, PlanError, make_plan
 
 CATALOG = load_catalog()

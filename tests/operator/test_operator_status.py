@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from isvc_helpers import make_spec
 
-from davit_operator.catalog import load_catalog
+from davit_operator.catalog.loader import load_catalog
 from davit_operator.planning import NodeFacts, PlanError, make_plan
 from davit_operator.status import compute_status, status_patch
 

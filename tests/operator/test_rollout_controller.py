@@ -5,7 +5,7 @@ from __future__ import annotations
 from isvc_helpers import make_spec
 
 from davit_operator.builders import Owner, deployment
-from davit_operator.catalog import load_catalog
+from davit_operator.catalog.loader import load_catalog
 from davit_operator.planning import make_plan
 from davit_operator.rollout.controller import (
     REVISION_ANNOTATION,

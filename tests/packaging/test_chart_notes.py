@@ -35,7 +35,7 @@ def test_notes_example_plans_and_is_served_where_the_commands_say(
 ) -> None:
     from davit_engine.shapes import SHAPES
     from davit_operator.api.spec import InferenceServiceSpec
-    from davit_operator.catalog import default_catalog
+    from davit_operator.catalog.loader import default_catalog
     from davit_operator.planning import make_plan
 
     notes = rendered_notes(helm, *set_args)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog, Health
+from davit_operator.catalog.loader import Catalog, Health
 from davit_operator.planning.args import ENGINE_PORT, EngineInvocation, engine_invocation
 from davit_operator.planning.args import served_name as _served_name
 from davit_operator.planning.capabilities import check_capabilities, tensor_limit

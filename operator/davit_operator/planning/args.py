@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import EngineInfo
+from davit_operator.catalog.loader import EngineInfo
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.runner import SelectedRunner
 

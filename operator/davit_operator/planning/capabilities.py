@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Capabilities, Catalog, EngineInfo, Release
+from davit_operator.catalog.loader import Capabilities, Catalog, EngineInfo, Release
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.image import default_variant
 from davit_operator.planning.runner import FEATURE_FIELDS, blockers, requested_features

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog, EngineInfo
+from davit_operator.catalog.loader import Catalog, EngineInfo
 from davit_operator.planning.errors import image_error
 
 

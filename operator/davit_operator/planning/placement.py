@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog
+from davit_operator.catalog.loader import Catalog
 
 # Per accelerator (or per replica on CPU): enough for tokenization, the HTTP front end and
 # loading weights; users raise them through pod.resources.

@@ -11,7 +11,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog import Catalog, EngineInfo, FeatureName, Release, RunnerName
+from davit_operator.catalog.loader import Catalog, EngineInfo, FeatureName, Release, RunnerName
 from davit_operator.planning.errors import runner_error
 
 # Spec path of each catalog feature, for messages.
