@@ -9,7 +9,8 @@ Sections (pick with `--sections`, in this order):
 - `parity`: fp32 greedy of a Llama, a Qwen2 and a Qwen3 shape (and SmolLM2's real weights with
   `--smollm2-gguf`) through runner V2 (CUDA graphs) and runner V1 against transformers
   `generate()`, and V2 against V1 token for token;
-- `w1`, `w2`, `peer`: the issue's workloads, and the transformers peer at one shape;
+- `w1`, `w2`, `peer`: the workloads W1 and W2, and the transformers peer at one shape
+  (`workloads.py` defines each);
 - `profile`: where a decode step's time goes (torch.profiler, eager kernels) at the W1 shape;
 - `async`: W1 and W2 through the engine's own step loop with asynchronous scheduling on and
   off, after a check that both give the same greedy tokens in fp32;
@@ -31,7 +32,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from davit_engine.core.batch import SchedulerOutput
 from davit_engine.engine_core import EngineCore
 from davit_engine.types import EngineRequest, SamplingParams
 from davit_tools.bench.timing import graph_us
+from davit_tools.bench.workloads import W1, W2, W3, OfflineWorkload, PeerShape, Warmup
 
 RESULTS: list[dict[str, Any]] = []
 OUT = Path(os.environ.get("OUT", "/tmp/davit-gpu-suite"))
@@ -183,6 +185,33 @@ def random_requests(
     return reqs
 
 
+def workload_requests(workload: OfflineWorkload, vocab: int) -> list[EngineRequest]:
+    """The workload's requests for a model with `vocab` token ids."""
+    in_lens, out_lens = workload.lengths()
+    return random_requests(
+        workload.num_requests, in_lens, out_lens, vocab, workload.prompt_seed, workload.temperature
+    )
+
+
+def warmup_requests(vocab: int) -> list[EngineRequest]:
+    """`Warmup`'s requests: run before a timed workload on the same engine."""
+    warm = Warmup()
+    n = len(warm.input_lens)
+    return random_requests(
+        n, list(warm.input_lens), [warm.output_len] * n, vocab, warm.prompt_seed,
+        warm.temperature, prefix="warm",
+    )  # fmt: skip
+
+
+def w1_of(args: argparse.Namespace) -> W1:
+    """W1 with the model and temperature given on the command line (W1's own by default)."""
+    return replace(W1(), model=args.w1_model, temperature=args.temperature)
+
+
+def w2_of(args: argparse.Namespace) -> W2:
+    return replace(W2(), model=args.w2_model)
+
+
 def runner_label(runner: str, eager: bool, fuse: bool = True) -> str:
     label = f"{runner}-{'eager' if eager or runner == 'v1' else 'graphs'}"
     return label if fuse or runner == "v1" else label + "-unfused"
@@ -223,8 +252,15 @@ def section_kernels(args: argparse.Namespace) -> None:
     bw = args.copy_bw
     record("copy_bandwidth", tb_s=round(bw / 1e12, 3))
     page = 16
-    for label, batch, ctx in (("w1-decode", 256, 840), ("w2-decode", 1, 1152), ("b64", 64, 2048)):
-        hq, hkv, dim = (16, 8, 128) if label.startswith("w1") else (32, 8, 128)
+    w1, w2 = W1(), W2()
+    w1_shape, w2_shape = w1.shape(), w2.shape()
+    cases = (
+        ("w1-decode", w1.max_num_seqs, w1.decode_context, w1_shape),
+        ("w2-decode", w2.num_requests, w2.floor_context, w2_shape),
+        ("b64", 64, w2.max_model_len, w2_shape),  # a mid batch at full context, W2's heads
+    )
+    for label, batch, ctx, shape in cases:
+        hq, hkv, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         blocks_per_seq = -(-ctx // page)
         cache = torch.randn(
             2, batch * blocks_per_seq + 1, page, hkv, dim, device="cuda", dtype=torch.bfloat16
@@ -255,7 +291,7 @@ def section_kernels(args: argparse.Namespace) -> None:
         del cache
     free_memory()
     # sampling at W1's full batch: greedy, plain temperature, and top-p rows (whole-row path)
-    vocab, rows = 151_936, 256
+    vocab, rows = w1_shape.vocab_size, w1.max_num_seqs
     logits = torch.randn(rows, vocab, device="cuda") * 3
     slots = torch.arange(rows, dtype=torch.int32, device="cuda")
     positions = torch.full((rows,), 500, dtype=torch.int32, device="cuda")
@@ -277,15 +313,20 @@ def section_kernels(args: argparse.Namespace) -> None:
         record("kernel_sampling", rows=rows, vocab=vocab, mode=name, us_in_graph=round(us, 1))
     del logits
     # fused layer ops against the torch layers they replace, W1 decode shapes
-    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.randn(256, 6144, device="cuda", dtype=torch.bfloat16)
+    hidden, inter, eps = w1_shape.hidden_size, w1_shape.intermediate_size, w1_shape.rms_norm_eps
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
     for name, fused, plain in (
-        ("rms_norm 256x1024", lambda: rms_norm(x, w, 1e-6), lambda: rms_norm_reference(x, w, 1e-6)),
         (
-            "silu_mul 256x3072",
+            f"rms_norm {rows}x{hidden}",
+            lambda: rms_norm(x, w, eps),
+            lambda: rms_norm_reference(x, w, eps),
+        ),
+        (
+            f"silu_mul {rows}x{inter}",
             lambda: silu_mul(gate_up),
-            lambda: torch.nn.functional.silu(gate_up[:, :3072]) * gate_up[:, 3072:],
+            lambda: torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:],
         ),
     ):
         record(
@@ -731,9 +772,7 @@ def _throughput(
     core = make_core(model, runner, eager, "bfloat16", fuse=fuse, **kw)
     reqs = reqs_fn(core.model_info.vocab_size)
     # warm-up: a few short requests compile every prefill kernel variant before timing
-    vocab = core.model_info.vocab_size
-    warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
-    run_requests(core, warm)
+    run_requests(core, warmup_requests(core.model_info.vocab_size))
     res = run_requests(core, reqs, deadline_s)
     res.pop("outputs")
     runner_obj: Any = core.runner
@@ -760,46 +799,36 @@ def section_w1_v1(args: argparse.Namespace) -> None:
 
 
 def section_w1(args: argparse.Namespace) -> None:
-    gen = torch.Generator().manual_seed(0)
-    in_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
-    out_lens = torch.randint(100, 1025, (256,), generator=gen).tolist()
+    w1 = w1_of(args)
     for runner, eager, fuse in args.w1_runners:
         _throughput(
             "w1",
-            args.w1_model,
+            w1.model,
             runner,
             eager,
-            lambda vocab: random_requests(256, in_lens, out_lens, vocab, 0, args.temperature),
+            functools.partial(workload_requests, w1),
             fuse=fuse,
             deadline_s=args.deadline_s if runner == "v1" else None,
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            max_model_len=2048,
+            **w1.engine_limits(),
         )
 
 
 def section_w2(args: argparse.Namespace) -> None:
     bw = copy_bandwidth()
+    w2 = w2_of(args)
     for runner, eager, fuse in args.w2_runners:
         row = _throughput(
             "w2",
-            args.w2_model,
+            w2.model,
             runner,
             eager,
-            lambda vocab: random_requests(1, [1024], [256], vocab, 0, 0.0),
+            functools.partial(workload_requests, w2),
             fuse=fuse,
-            max_num_seqs=8,
-            max_num_batched_tokens=2048,
-            max_model_len=2048,
+            **w2.engine_limits(),
         )
-        from davit_engine.shapes import get_shape
-
-        c = get_shape(args.w2_model.removeprefix("random:"))
-        weight_bytes = 2 * (c.num_parameters() - c.vocab_size * c.hidden_size)
-        kv_bytes = (1024 + 128) * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 2
-        floor_tok_s = args.copy_bw / (weight_bytes + kv_bytes)
+        floor_tok_s = args.copy_bw / w2.bytes_per_decode_step()
         decode_s = row["elapsed_s"] - row["first_token_s"]
-        decode_tok_s = 255 / decode_s
+        decode_tok_s = w2.decode_tokens / decode_s
         record(
             "w2_vs_floor",
             runner=row["runner"],
@@ -817,22 +846,21 @@ def section_peer(args: argparse.Namespace) -> None:
     sys.path.insert(0, args.peer_dir)
     import peer_hf  # the shared peer script, carried beside the repository
 
-    n, in_len, out_len = 256, 256, 256
+    peer = replace(PeerShape(), model=args.w1_model)
+    n, in_len, out_len = peer.num_requests, peer.input_len[0], peer.output_len[0]
     ours = _throughput(
         "peer_shape_ours",
-        args.w1_model,
+        peer.model,
         "v2",
         False,
-        lambda vocab: random_requests(n, [in_len] * n, [out_len] * n, vocab, 0, 0.0),
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=1024,
+        functools.partial(workload_requests, peer),
+        **peer.engine_limits(),
     )
-    theirs = peer_hf.hf("qwen3-0.6b", [n], inp=in_len, out=out_len)[0]
+    theirs = peer_hf.hf(peer.peer_model, [n], inp=in_len, out=out_len)[0]
     free_memory()
     record(
         "peer_ratio",
-        shape=f"qwen3-0.6b bf16 batch {n}, {in_len} in / {out_len} out, greedy",
+        shape=f"{peer.peer_model} bf16 batch {n}, {in_len} in / {out_len} out, greedy",
         ours_tok_s=ours["output_tok_s"],
         transformers_tok_s=theirs["output_tok_s"],
         ratio=round(ours["output_tok_s"] / theirs["output_tok_s"], 2),
@@ -948,19 +976,27 @@ def _decode_ceiling(label: str, model: str, batch: int, in_len: int, temperature
 
 
 def section_ceiling(args: argparse.Namespace) -> None:
-    _decode_ceiling("w2-b1", args.w2_model, 1, 1100, 0.0)
-    _decode_ceiling("w1-b256", args.w1_model, 256, 600, args.temperature)
+    # Prompts a little shorter than the workloads' mean decode contexts: the ceiling is
+    # measured after the prefill and 20 timed decode steps.
+    w1, w2 = w1_of(args), w2_of(args)
+    _decode_ceiling(f"w2-b{w2.num_requests}", w2.model, w2.num_requests, 1100, w2.temperature)
+    _decode_ceiling(f"w1-b{w1.max_num_seqs}", w1.model, w1.max_num_seqs, 600, w1.temperature)
 
 
 def section_profile(args: argparse.Namespace) -> None:
     """Where a decode step's time goes: W1's full batch (graphs + fused layers, and eager with
     the torch layers) and W2's single request; `--profile-shapes` picks among w1, w1-eager, w2."""
     shapes = args.profile_shapes.split(",")
+    w1, w2 = w1_of(args), w2_of(args)
+    batch = w1.max_num_seqs
     for shape, eager, fuse in (("w1", False, True), ("w1-eager", True, False)):
         if shape in shapes:
-            _profile_decode("w1-b256", args.w1_model, 256, 600, eager, fuse, args.temperature)
+            _profile_decode(f"w1-b{batch}", w1.model, batch, 600, eager, fuse, w1.temperature)
     if "w2" in shapes:
-        _profile_decode("w2-b1", args.w2_model, 1, 1024, False, True, 0.0)
+        _profile_decode(
+            f"w2-b{w2.num_requests}", w2.model, w2.num_requests, w2.input_len[0], False, True,
+            w2.temperature,
+        )  # fmt: skip
 
 
 def _engine_loop(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Any]:
@@ -1038,30 +1074,24 @@ def section_async(args: argparse.Namespace) -> None:
 def _engine_workload(args: argparse.Namespace, name: str, **core_kw: Any) -> dict[str, Any]:
     """W1 or W2 through the engine loop (V2 graphs, bf16) on a fresh engine, after a short
     warm-up on it: `_engine_loop`'s figures plus the configuration (and W2's decode rate)."""
-    if name == "w1":
-        gen = torch.Generator().manual_seed(0)
-        ins = torch.randint(100, 1025, (256,), generator=gen).tolist()
-        outs = torch.randint(100, 1025, (256,), generator=gen).tolist()
-        model, seqs, tokens, temperature = args.w1_model, 256, 8192, args.temperature
-    else:
-        ins, outs = [1024], [256]
-        model, seqs, tokens, temperature = args.w2_model, 8, 2048, 0.0
-    core = make_core(
-        model, "v2", False, "bfloat16", max_num_seqs=seqs, max_num_batched_tokens=tokens,
-        max_model_len=2048, **core_kw,
-    )  # fmt: skip
+    workload: OfflineWorkload = w1_of(args) if name == "w1" else w2_of(args)
+    core = make_core(workload.model, "v2", False, "bfloat16", **workload.engine_limits(), **core_kw)
     try:
         vocab = core.model_info.vocab_size
-        warm = random_requests(4, [300, 40, 700, 5], [4] * 4, vocab, 99, 1.0, prefix="warm")
-        _engine_loop(core, warm)
-        res = _engine_loop(core, random_requests(len(ins), ins, outs, vocab, 0, temperature))
+        _engine_loop(core, warmup_requests(vocab))
+        res = _engine_loop(core, workload_requests(workload, vocab))
     finally:
         core.shutdown()
         del core
         free_memory()
-    res.update(model=model, requests=len(ins), max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    if name == "w2":
-        decode = round(255 / (res["elapsed_s"] - res["first_token_s"]), 1)
+    res.update(
+        model=workload.model,
+        requests=workload.num_requests,
+        max_num_seqs=workload.max_num_seqs,
+        max_num_batched_tokens=workload.max_num_batched_tokens,
+    )
+    if isinstance(workload, W2):
+        decode = round(workload.decode_tokens / (res["elapsed_s"] - res["first_token_s"]), 1)
         res.update(decode_tok_s=decode, floor_share=round(decode / args.w2_floor, 3))
     return res
 
@@ -1095,7 +1125,8 @@ def section_pdl(args: argparse.Namespace) -> None:
 
 
 def section_w3(args: argparse.Namespace) -> None:
-    """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner."""
+    """W3: `davit serve` in a subprocess, `davit bench serve` at each concurrency, per runner;
+    the served model is `--w1-model` (W3's own by default)."""
     for i, runner in enumerate(args.w3_runners.split(",")):
         _w3_one(args, runner, 8765 + i)
 
@@ -1111,6 +1142,8 @@ W3_RUNNER_FLAGS = {
 def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
     import urllib.request
 
+    w3 = W3()
+    base_url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(OUT / f"w3_server_{runner}.log", "w")  # noqa: SIM115 - closed after the server stops
     server = subprocess.Popen(
@@ -1119,22 +1152,11 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
             "-m",
             "davit_cli",
             "serve",
-            args.w1_model,
-            "--tokenizer",
-            "byte",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--max-num-seqs",
-            "256",
-            "--max-num-batched-tokens",
-            "8192",
-            "--no-enable-prefix-caching",
+            *w3.serve_args(args.w1_model, port),
             "--log-level",
             "warning",
             *W3_RUNNER_FLAGS[runner],
-        ],
+        ],  # fmt: skip
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -1153,46 +1175,18 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
             time.sleep(1)
         # one short run first: Triton compiles the eager kernels on first use, not timed
         subprocess.run(
-            [
-                sys.executable, "-m", "davit_cli", "bench", "serve",
-                "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "8",
-                "--input-len", "1024", "--output-len", "16", "--concurrency", "8",
-            ],
+            [sys.executable, "-m", "davit_cli", "bench", "serve", *w3.warmup_args(base_url)],
             check=True, env=env, timeout=120, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        loads = (
-            ((1, 8), (16, 64), (64, 192))
-            if runner == "v2-graphs"
-            else ((1, 4), (16, 32), (64, 128))
-        )
-        for concurrency, num in loads:
+        for concurrency, num in w3.loads_for(runner):
             out_json = OUT / f"w3_{runner}_c{concurrency}.json"
             subprocess.run(
                 [
-                    sys.executable,
-                    "-m",
-                    "davit_cli",
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    f"http://127.0.0.1:{port}",
-                    "--num-prompts",
-                    str(num),
-                    "--input-len",
-                    "1024",
-                    "--output-len",
-                    "128",
-                    "--concurrency",
-                    str(concurrency),
-                    "--output-json",
-                    str(out_json),
-                    "--temperature",
-                    "0",
+                    sys.executable, "-m", "davit_cli", "bench", "serve",
+                    *w3.bench_args(base_url, concurrency, num), "--output-json", str(out_json),
                 ],
-                check=True,
-                env=env,
-                timeout=120,
-            )
+                check=True, env=env, timeout=120,
+            )  # fmt: skip
             result = json.loads(out_json.read_text())
             r = result.get("results", result)
             record(
@@ -1200,8 +1194,8 @@ def _w3_one(args: argparse.Namespace, runner: str, port: int) -> None:
                 model=args.w1_model,
                 concurrency=concurrency,
                 num_prompts=num,
-                input_len=1024,
-                output_len=128,
+                input_len=w3.input_len,
+                output_len=w3.output_len,
                 runner=runner,
                 async_scheduling=runner in ("v2-graphs", "v2-eager"),
                 **{k: r.get(k) for k in ("ttft_s", "tpot_s", "itl_s", "output_tokens_per_s")},
@@ -1259,8 +1253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="tests,kernels,v1v2,hf,w1,w2")
     parser.add_argument("--small-model", default="random:qwen3-0.6b")
     parser.add_argument("--hf-models", default="random:llama-3.1-8b")
-    parser.add_argument("--w1-model", default="random:qwen3-0.6b")
-    parser.add_argument("--w2-model", default="random:llama-3.1-8b")
+    parser.add_argument(
+        "--w1-model", default=W1().model, help="W1's model; also the peer's and W3's"
+    )
+    parser.add_argument("--w2-model", default=W2().model)
     parser.add_argument("--w1-runners", default="v2-graphs")
     parser.add_argument("--w2-runners", default="v2-graphs")
     parser.add_argument(
@@ -1269,10 +1265,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-shapes", default="w1,w1-eager,w2")
     parser.add_argument("--pdl-workloads", default="w2,w1", help="pdl section: w2, w1")
     parser.add_argument(
-        "--w2-floor", type=float, default=279.8, help="W2 bandwidth floor, decode tok/s"
+        "--w2-floor",
+        type=float,
+        default=W2().measured_floor_tok_s,
+        help="W2 bandwidth floor, decode tok/s (async and pdl sections)",
     )
     parser.add_argument("--pdl-values", default="0,1,0,1", help="DAVIT_PDL values, pdl section")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=W1().temperature, help="W1's")
     parser.add_argument("--peer-dir", default=".device_bench")
     parser.add_argument("--deadline-s", type=float, default=None, help="cap on one W1 run")
     parser.add_argument(

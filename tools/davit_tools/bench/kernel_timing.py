@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from davit_tools.bench.timing import eager_us, graph_us
+from davit_tools.bench.workloads import W1
 
 SAMPLING_CASES: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
@@ -192,11 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, (help_text, _) in GROUPS.items():
         parser.add_argument(f"--{name}", action="store_true", help=help_text)
+    # Defaults: one row, a mid batch and W1's full batch, over W1's vocabulary.
+    w1 = W1()
+    rows = [1, 64, w1.max_num_seqs]
+    vocab = w1.shape().vocab_size
     parser.add_argument(
-        "--rows", type=_int_list, default=[1, 64, 256], help="batch sizes (default 1,64,256)"
+        "--rows",
+        type=_int_list,
+        default=rows,
+        help=f"batch sizes (default {','.join(map(str, rows))})",
     )
     parser.add_argument(
-        "--vocab", type=_positive_int, default=151_936, help="vocabulary (default 151936)"
+        "--vocab", type=_positive_int, default=vocab, help=f"vocabulary (default {vocab})"
     )
     parser.add_argument(
         "--logits",

@@ -1,4 +1,5 @@
-"""Decode-step kernels at batch 1 on the Llama-3.1-8B shape, each timed inside a CUDA graph.
+"""Decode-step kernels at batch 1 on W2's model shape (Llama-3.1-8B), each timed inside a CUDA
+graph.
 
 `python3 -m davit_tools.bench.w2_kernels` prints one JSON line per measurement (configuration
 included): the library GEMM for every linear shape of the model at 1 and 8 rows (weights cycled
@@ -18,8 +19,13 @@ from davit_engine.kernels.kv_cache import write_kv
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
 from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
 from davit_tools.bench.timing import graph_us
+from davit_tools.bench.workloads import W2
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
+_W2 = W2()
+_SHAPE = _W2.shape()
+HIDDEN, HEADS, KV_HEADS = _SHAPE.hidden_size, _SHAPE.num_heads, _SHAPE.num_kv_heads
+HEAD_DIM, INTER, VOCAB = _SHAPE.head_dim, _SHAPE.intermediate_size, _SHAPE.vocab_size
+EPS = _SHAPE.rms_norm_eps
 
 
 def _emit(**row: object) -> None:
@@ -55,7 +61,7 @@ def gemm_table() -> None:
 
 def attention() -> None:
     dtype = torch.bfloat16
-    ctx, page = 1152, 16
+    ctx, page = _W2.floor_context, 16
     blocks = ctx // page + 1
     cache = torch.randn(2, blocks, page, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
     tables = torch.randperm(blocks, device="cuda")[None].int()
@@ -89,8 +95,8 @@ def elementwise() -> None:
     x = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
     residual = torch.randn(1, HIDDEN, device="cuda", dtype=dtype)
     weight = torch.ones(HIDDEN, device="cuda", dtype=dtype)
-    fused = graph_us(lambda: add_rms_norm(x, residual, weight, 1e-5))
-    separate = graph_us(lambda: rms_norm(x + residual, weight, 1e-5))
+    fused = graph_us(lambda: add_rms_norm(x, residual, weight, EPS))
+    separate = graph_us(lambda: rms_norm(x + residual, weight, EPS))
     _emit(section="add_rms_norm", rows=1, dim=HIDDEN, fused_us=round(fused, 2),
           add_then_norm_us=round(separate, 2))  # fmt: skip
     qkv = torch.randn(1, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)

@@ -15,8 +15,7 @@ from davit_engine.bench.sse_client import (
     SSEConnection,
 )
 from davit_tools.bench.api_stream import main
-
-from .conftest import serve_fake
+from tests.engine.server.conftest import serve_fake
 
 
 @pytest.mark.parametrize("client", ["raw", "httpx"])

@@ -6,6 +6,8 @@ import pytest
 
 from davit_tools.demo import DEFAULT_EXAMPLES, run_demo
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 
 def test_demo_settles_every_example(capsys: pytest.CaptureFixture[str]) -> None:
     """Every example becomes Ready with a Deployment on the fake nodes (memory from the
