@@ -23,7 +23,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.utils.quantity import parse_quantity
 
-from davit_operator.api import FIELD_MANAGER, GROUP
+from davit_operator.api.identity import FIELD_MANAGER, GROUP
 
 DESIRED_HASH_ANNOTATION = f"{GROUP}/desired-hash"
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from davit_operator.api import CRD_NAME
 from davit_operator.api.crdgen import build_crd, crdgen_main, default_crd_path, render_crd
+from davit_operator.api.identity import CRD_NAME
 
 
 def _schema() -> dict[str, Any]:

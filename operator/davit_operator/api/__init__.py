@@ -1,11 +1,5 @@
-"""The InferenceService API: identity constants, spec and status models (the schema source)."""
+"""The InferenceService API: the only schema source (a generator writes the CRD from it).
 
-GROUP = "serving.davit.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-SINGULAR = "inferenceservice"
-SHORT_NAMES = ("infsvc",)
-CRD_NAME = f"{PLURAL}.{GROUP}"
-FIELD_MANAGER = "davit-operator"
+`identity` names the group, version and kind; `schema` holds the base model the others build on;
+`spec`, `rollout` and `status` are the models; `crdgen` writes the CRD.
+"""

@@ -17,7 +17,15 @@ from typing import Any
 
 import yaml
 
-from davit_operator.api import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from davit_operator.api.identity import (
+    CRD_NAME,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.api.status import InferenceServiceStatus
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from davit_operator.api.spec import CrdModel, Quantity, _cel, _object_default
+from davit_operator.api.schema import CrdModel, Quantity, cel_rule, object_default
 
 RolloutStrategy = Literal["Rolling", "Canary"]
 RolloutPhase = Literal["Complete", "Progressing", "Paused", "Promoting", "RolledBack", "Failed"]
@@ -96,13 +96,13 @@ class RolloutSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "self.strategy != 'Canary' || has(self.canary)",
                     "rollout.canary (with steps) is required when rollout.strategy is Canary",
                     ".canary",
                     reason="FieldValueRequired",
                 ),
-                _cel(
+                cel_rule(
                     "self.strategy == 'Canary' || !has(self.canary)",
                     "rollout.canary only applies to strategy Canary",
                     ".canary",
@@ -118,13 +118,13 @@ class RolloutSpec(CrdModel):
     )
     rolling: RollingSpec = Field(
         default_factory=RollingSpec,
-        json_schema_extra={"default": _object_default(RollingSpec)},
+        json_schema_extra={"default": object_default(RollingSpec)},
         description="Surge limits (both strategies; the canary's promotion uses them too).",
     )
     canary: CanarySpec | None = Field(default=None, description="Canary steps.")
     analysis: AnalysisSpec = Field(
         default_factory=AnalysisSpec,
-        json_schema_extra={"default": _object_default(AnalysisSpec)},
+        json_schema_extra={"default": object_default(AnalysisSpec)},
         description="Thresholds the canary must meet at every step.",
     )
     progress_deadline_seconds: int = Field(
@@ -150,10 +150,6 @@ class RolloutSpec(CrdModel):
         description="Seconds an engine gets to finish in-flight requests after SIGTERM; the "
         "pods' termination grace period covers it plus the pre-stop delay.",
     )
-
-
-def default_rollout() -> dict[str, object]:
-    return _object_default(RolloutSpec)
 
 
 class AnalysisResult(CrdModel):

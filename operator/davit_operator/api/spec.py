@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
+
+from davit_operator.api.rollout import RolloutSpec
+from davit_operator.api.schema import CrdModel, Quantity, cel_rule, object_default
 
 EngineType = Literal["davit", "vllm"]
 Variant = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
@@ -20,17 +22,6 @@ Vendor = Literal["nvidia", "amd", "intel", "cpu"]
 ImagePolicy = Literal["Strict", "Permissive"]
 SpeculativeMethod = Literal[
     "ngram", "eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator"
-]
-
-# A Kubernetes quantity ("4", 4, "500m", "16Gi"): int-or-string in the schema.
-Quantity = Annotated[
-    int | str,
-    WithJsonSchema(
-        {
-            "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-        }
-    ),
 ]
 
 # Flags the operator derives from typed fields; setting them through extraArgs would fight the plan.
@@ -57,29 +48,6 @@ OWNED_FLAGS = (
 ACCELERATOR_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915")
 
 
-def _cel(rule: str, message: str, field_path: str | None = None, **extra: str) -> dict[str, Any]:
-    entry: dict[str, Any] = {"rule": rule, "message": message}
-    if field_path:
-        entry["fieldPath"] = field_path
-    entry.update(extra)
-    return entry
-
-
-def _object_default(model: type[BaseModel]) -> dict[str, Any]:
-    """The CRD default of an optional object field: the model's defaults, spelled out, so the
-    API server's validation of the default itself sees every field the CEL rules read."""
-    dumped = model().model_dump(mode="json", by_alias=True, exclude_none=True)
-    return {k: v for k, v in dumped.items() if v != [] and v != {}}
-
-
-class CrdModel(BaseModel):
-    """Base for every schema model: camelCase on the wire, unknown fields refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
-
-
 class ModelShapeSpec(CrdModel):
     """The architecture numbers of config.json that the pre-flight memory check needs."""
 
@@ -100,20 +68,20 @@ class ModelSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "!self.source.startsWith('hf://') || has(self.revision)",
                     "model.revision is required for hf:// sources: pin the exact commit hash or "
                     "tag so that every replica loads the same weights",
                     ".revision",
                     reason="FieldValueRequired",
                 ),
-                _cel(
+                cel_rule(
                     "!has(self.file) || self.file.endsWith('.gguf')",
                     "model.file names a single GGUF file inside the source and must end in .gguf; "
                     "omit it for safetensors directories",
                     ".file",
                 ),
-                _cel(
+                cel_rule(
                     "!has(self.file) || self.source.startsWith('pvc://')",
                     "model.file names a file on a volume and needs a pvc:// source; hf:// and "
                     "random:// sources are loaded as repositories",
@@ -173,14 +141,14 @@ class EngineSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "self.imagePolicy != 'Strict' || !has(self.image) || "
                     "self.image.contains('@sha256:')",
                     "engine.imagePolicy Strict requires engine.image to be pinned by digest "
                     "(REPOSITORY@sha256:...); use imagePolicy: Permissive to allow a tag",
                     ".image",
                 ),
-                _cel(
+                cel_rule(
                     "!has(self.extraArgs) || self.extraArgs.all(a, !(a.split('=')[0] in ["
                     + ", ".join(f"'{flag}'" for flag in OWNED_FLAGS)
                     + "]))",
@@ -247,18 +215,18 @@ class AcceleratorSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "self.vendor != 'cpu' || !has(self.count) || self.count == 0",
                     "accelerator.count must be 0 or unset when accelerator.vendor is cpu",
                     ".count",
                 ),
-                _cel(
+                cel_rule(
                     "self.vendor == 'cpu' || !has(self.count) || self.count >= 1",
                     "accelerator.count must be at least 1 for a GPU vendor; use vendor: cpu to "
                     "run without accelerators",
                     ".count",
                 ),
-                _cel(
+                cel_rule(
                     "self.vendor != 'cpu' || !has(self.product)",
                     "accelerator.product names a GPU model and cannot be set for vendor cpu",
                     ".product",
@@ -294,7 +262,7 @@ class ExpertParallelSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "!self.elastic || self.enabled",
                     "parallelism.expert.elastic requires parallelism.expert.enabled: true",
                     ".elastic",
@@ -314,13 +282,13 @@ class ParallelismSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "!self.sequenceParallelism || self.tensor >= 2",
                     "parallelism.sequenceParallelism shards along the tensor-parallel group; set "
                     "parallelism.tensor to 2 or more",
                     ".sequenceParallelism",
                 ),
-                _cel(
+                cel_rule(
                     "!self.dualBatchOverlap || self.expert.enabled",
                     "parallelism.dualBatchOverlap overlaps expert-parallel communication; set "
                     "parallelism.expert.enabled: true",
@@ -343,7 +311,7 @@ class ParallelismSpec(CrdModel):
     )
     expert: ExpertParallelSpec = Field(
         default_factory=ExpertParallelSpec,
-        json_schema_extra={"default": _object_default(ExpertParallelSpec)},
+        json_schema_extra={"default": object_default(ExpertParallelSpec)},
         description="Expert parallelism for mixture-of-experts models.",
     )
 
@@ -352,23 +320,23 @@ class SpeculativeSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "self.method != 'draft_model' || has(self.draftModel)",
                     "features.speculative.draftModel is required when method is draft_model",
                     ".draftModel",
                     reason="FieldValueRequired",
                 ),
-                _cel(
+                cel_rule(
                     "self.method == 'draft_model' || !has(self.draftModel)",
                     "features.speculative.draftModel is only used by method draft_model",
                     ".draftModel",
                 ),
-                _cel(
+                cel_rule(
                     "self.method == 'ngram' || (!has(self.promptLookupMax) && "
                     "!has(self.promptLookupMin))",
                     "promptLookupMin/promptLookupMax only apply to method ngram",
                 ),
-                _cel(
+                cel_rule(
                     "!has(self.promptLookupMax) || !has(self.promptLookupMin) || "
                     "self.promptLookupMin <= self.promptLookupMax",
                     "features.speculative.promptLookupMin must not exceed promptLookupMax",
@@ -426,7 +394,7 @@ class LimitsSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "!has(self.maxNumBatchedTokens) || !has(self.maxNumSeqs) || "
                     "self.maxNumBatchedTokens >= self.maxNumSeqs",
                     "limits.maxNumBatchedTokens must be at least limits.maxNumSeqs: every "
@@ -466,12 +434,12 @@ class Toleration(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "self.operator != 'Exists' || !has(self.value)",
                     "a toleration with operator Exists matches any value; remove value",
                     ".value",
                 ),
-                _cel(
+                cel_rule(
                     "has(self.key) || self.operator == 'Exists'",
                     "a toleration without key must use operator Exists (it then tolerates every "
                     "taint)",
@@ -510,7 +478,7 @@ class ResourcesSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     " && ".join(
                         f"(!has(self.{section}) || !('{r}' in self.{section}))"
                         for section in ("requests", "limits")
@@ -543,7 +511,7 @@ class PodSpecOverrides(CrdModel):
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
-        json_schema_extra={"default": _object_default(ResourcesSpec)},
+        json_schema_extra={"default": object_default(ResourcesSpec)},
         description=(
             "CPU/memory requests and limits. The accelerator resource itself comes from "
             "accelerator.vendor and count and cannot be set here."
@@ -563,17 +531,13 @@ class PodSpecOverrides(CrdModel):
     )
 
 
-# Imported here, not at the top: rollout.py builds on the base models defined above.
-from davit_operator.api.rollout import RolloutSpec  # noqa: E402
-
-
 class InferenceServiceSpec(CrdModel):
     """Desired state of one served model."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
+                cel_rule(
                     "!has(self.accelerator.count) || self.accelerator.vendor == 'cpu' || "
                     "self.accelerator.count == "
                     "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data",
@@ -581,20 +545,20 @@ class InferenceServiceSpec(CrdModel):
                     "replica uses); omit accelerator.count to derive it",
                     ".accelerator.count",
                 ),
-                _cel(
+                cel_rule(
                     "self.accelerator.vendor != 'cpu' || !has(self.limits.gpuMemoryUtilization)",
                     "limits.gpuMemoryUtilization applies to GPU memory; remove it for "
                     "accelerator.vendor cpu",
                     ".limits.gpuMemoryUtilization",
                 ),
-                _cel(
+                cel_rule(
                     "self.accelerator.vendor != 'cpu' || (self.parallelism.tensor == 1 && "
                     "self.parallelism.pipeline == 1)",
                     "tensor and pipeline parallelism need GPUs; set accelerator.vendor to a GPU "
                     "vendor or parallelism.tensor/pipeline to 1",
                     ".parallelism",
                 ),
-                _cel(
+                cel_rule(
                     "!has(self.engine.variant) || "
                     "(self.accelerator.vendor == 'nvidia' && self.engine.variant.startsWith('cuda'))"
                     " || (self.accelerator.vendor == 'amd' && self.engine.variant == 'rocm')"
@@ -613,28 +577,28 @@ class InferenceServiceSpec(CrdModel):
     accelerator: AcceleratorSpec = Field(description="Accelerator per replica.")
     parallelism: ParallelismSpec = Field(
         default_factory=ParallelismSpec,
-        json_schema_extra={"default": _object_default(ParallelismSpec)},
+        json_schema_extra={"default": object_default(ParallelismSpec)},
         description="How one replica spreads over its accelerators.",
     )
     features: FeaturesSpec = Field(
         default_factory=FeaturesSpec,
-        json_schema_extra={"default": _object_default(FeaturesSpec)},
+        json_schema_extra={"default": object_default(FeaturesSpec)},
         description="Optional engine features; some of them select runner V1.",
     )
     limits: LimitsSpec = Field(
         default_factory=LimitsSpec,
-        json_schema_extra={"default": _object_default(LimitsSpec)},
+        json_schema_extra={"default": object_default(LimitsSpec)},
         description="Memory and scheduling limits passed to the engine.",
     )
     replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods (replicas).")
     pod: PodSpecOverrides = Field(
         default_factory=PodSpecOverrides,
-        json_schema_extra={"default": _object_default(PodSpecOverrides)},
+        json_schema_extra={"default": object_default(PodSpecOverrides)},
         description="Pod-level overrides: node selector, tolerations, resources, env, account.",
     )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
-        json_schema_extra={"default": _object_default(RolloutSpec)},
+        json_schema_extra={"default": object_default(RolloutSpec)},
         description="How spec changes reach the replicas: rolling or canary, metric gates, "
         "automatic rollback, pause, drain time.",
     )

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from davit_operator.api.rollout import RevisionRecord, RolloutStatus
-from davit_operator.api.spec import CrdModel
+from davit_operator.api.schema import CrdModel
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from davit_operator.api import API_VERSION, GROUP, KIND
+from davit_operator.api.identity import API_VERSION, GROUP, KIND
 from davit_operator.planning import Plan
 from davit_operator.planning.args import MODEL_CACHE_DIR
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from davit_operator.api import GROUP
+from davit_operator.api.identity import GROUP
 from davit_operator.builders import (
     MANAGED_BY,
     Owner,

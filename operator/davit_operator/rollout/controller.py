@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from davit_operator.api import GROUP
+from davit_operator.api.identity import GROUP
 from davit_operator.api.rollout import ROLLOUT_PROGRESSING
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
