@@ -19,7 +19,7 @@ from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from davit_operator.catalog.loader import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.model_config import ModelConfigSource
-from davit_operator.planning import NodeFacts
+from davit_operator.planning.placement import NodeFacts
 from davit_operator.reconcile import Runtime, reconcile
 from davit_operator.rollout import RolloutMemory
 

@@ -30,7 +30,7 @@ from davit_operator.builders.profile_job import (
     profile_name,
 )
 from davit_operator.kube import KubeClient
-from davit_operator.planning import Plan, PlanError
+from davit_operator.planning.errors import PlanError
 from davit_operator.planning.memory import (
     MemoryPlan,
     identity_hash,
@@ -38,6 +38,7 @@ from davit_operator.planning.memory import (
     profile_plan,
     with_memory,
 )
+from davit_operator.planning.plan import Plan
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,9 @@ from davit_operator.metrics import (
     STATUS_WRITES,
 )
 from davit_operator.model_config import ModelConfigSource
-from davit_operator.planning import NodeFacts, Plan, PlanError, default_shapes, make_plan
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.placement import NodeFacts
+from davit_operator.planning.plan import Plan, default_shapes, make_plan
 from davit_operator.profiling import (
     ProfileCache,
     needs_profile,

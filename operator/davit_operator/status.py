@@ -18,7 +18,8 @@ from davit_operator.api.status import (
     SCHEDULABLE,
     STALLED,
 )
-from davit_operator.planning import Plan, PlanError
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.plan import Plan
 
 CONDITION_ORDER = (
     READY,

@@ -22,7 +22,8 @@ from davit_engine.engine_flags import (
 from davit_engine.types import ParamError
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog, CatalogError, load_catalog
-from davit_operator.planning import Plan, PlanError, make_plan
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.plan import Plan, make_plan
 from davit_operator.status import compute_status
 
 CATALOG = load_catalog()

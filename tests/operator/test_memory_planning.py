@@ -18,7 +18,7 @@ from davit_operator.builders.profile_job import (
     profile_name,
 )
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning import Plan, PlanError, make_plan
+from davit_operator.planning.errors import PlanError
 from davit_operator.planning.memory import (
     KV_FLAG,
     ModelShape,
@@ -31,6 +31,7 @@ from davit_operator.planning.memory import (
     shape_for,
     with_memory,
 )
+from davit_operator.planning.plan import Plan, make_plan
 
 CATALOG = load_catalog()
 SHAPES = load_shape_catalog()

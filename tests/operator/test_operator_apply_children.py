@@ -13,7 +13,7 @@ from isvc_helpers import make_spec, spec_dict
 from davit_operator.builders import Owner
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import KubeError
-from davit_operator.planning import make_plan
+from davit_operator.planning.plan import make_plan
 from davit_operator.reconcile import Runtime, _apply_children, reconcile
 
 CATALOG = load_catalog()

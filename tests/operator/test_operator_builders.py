@@ -6,7 +6,7 @@ from isvc_helpers import make_spec
 
 from davit_operator.builders import Owner, children, deployment, pod_disruption_budget, service
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning import make_plan
+from davit_operator.planning.plan import make_plan
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="0b9c5c3e-1111-2222-3333-444455556666")

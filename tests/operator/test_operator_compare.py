@@ -10,7 +10,7 @@ from isvc_helpers import make_spec
 from davit_operator.builders import Owner, deployment
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import DESIRED_HASH_ANNOTATION, is_subset, needs_apply, with_hash
-from davit_operator.planning import make_plan
+from davit_operator.planning.plan import make_plan
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="uid-1")

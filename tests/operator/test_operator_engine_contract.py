@@ -13,8 +13,9 @@ from isvc_helpers import make_spec
 
 from davit_engine.server.cli import build_parser, parse_args
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning import PlanError, make_plan
 from davit_operator.planning.args import engine_invocation
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.plan import make_plan
 from davit_operator.planning.runner import SelectedRunner
 
 CATALOG = load_catalog()

@@ -15,7 +15,7 @@ from isvc_helpers import make_spec, spec_dict
 from davit_operator.builders import Owner, service
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply, with_hash
-from davit_operator.planning import make_plan
+from davit_operator.planning.plan import make_plan
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

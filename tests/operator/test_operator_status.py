@@ -8,7 +8,9 @@ import pytest
 from isvc_helpers import make_spec
 
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning import NodeFacts, PlanError, make_plan
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.placement import NodeFacts
+from davit_operator.planning.plan import make_plan
 from davit_operator.status import compute_status, status_patch
 
 CATALOG = load_catalog()

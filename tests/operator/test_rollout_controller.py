@@ -6,7 +6,7 @@ from isvc_helpers import make_spec
 
 from davit_operator.builders import Owner, deployment
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning import make_plan
+from davit_operator.planning.plan import make_plan
 from davit_operator.rollout.controller import (
     REVISION_ANNOTATION,
     TRACK_LABEL,

@@ -36,7 +36,7 @@ def test_notes_example_plans_and_is_served_where_the_commands_say(
     from davit_engine.shapes import SHAPES
     from davit_operator.api.spec import InferenceServiceSpec
     from davit_operator.catalog.loader import default_catalog
-    from davit_operator.planning import make_plan
+    from davit_operator.planning.plan import make_plan
 
     notes = rendered_notes(helm, *set_args)
     example = yaml.safe_load(notes_example(notes))

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from davit_operator.api.identity import API_VERSION, GROUP, KIND
-from davit_operator.planning import Plan
 from davit_operator.planning.args import MODEL_CACHE_DIR
+from davit_operator.planning.plan import Plan
 
 MANAGED_BY = "davit-operator"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"

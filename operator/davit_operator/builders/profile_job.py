@@ -21,8 +21,8 @@ from davit_operator.builders import (
     engine_volumes,
     owner_reference,
 )
-from davit_operator.planning import Plan
 from davit_operator.planning.memory import KV_FLAG
+from davit_operator.planning.plan import Plan
 
 PROFILE_IDENTITY_LABEL = f"{GROUP}/profile-identity"
 PROFILE_KEY = "profile.json"

@@ -34,7 +34,7 @@ from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.planning.errors import PlanError
 
 if TYPE_CHECKING:
-    from davit_operator.planning import Plan
+    from davit_operator.planning.plan import Plan
 
 MemorySource = Literal["explicit", "profile", "estimate", "pending"]
 

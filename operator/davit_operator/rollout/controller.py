@@ -24,7 +24,8 @@ from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
 from davit_operator.kube import KubeClient, KubeError
 from davit_operator.metrics import CHILD_WRITES
-from davit_operator.planning import Plan, PlanError
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.plan import Plan
 from davit_operator.rollout.gateway import GATEWAY_VERSION, track_services, weighted_rules
 from davit_operator.rollout.machine import (
     Decision,

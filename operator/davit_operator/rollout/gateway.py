@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from davit_operator.builders import Owner, owner_reference, selector_labels
-from davit_operator.planning import Plan
+from davit_operator.planning.plan import Plan
 
 GATEWAY_VERSION = "gateway.networking.k8s.io/v1"
 TRACKS = ("stable", "canary")
