@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from davit_operator.api.identity import GROUP, PLURAL, VERSION
-from davit_operator.builders import INSTANCE_LABEL, MANAGED_BY
+from davit_operator.builders.metadata import INSTANCE_LABEL, MANAGED_BY
 from davit_operator.catalog.loader import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.model_config import ModelConfigSource

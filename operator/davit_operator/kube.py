@@ -9,7 +9,6 @@ owned fields still hold their desired values is left alone, so an unchanged spec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import ssl
@@ -23,9 +22,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.utils.quantity import parse_quantity
 
-from davit_operator.api.identity import FIELD_MANAGER, GROUP
-
-DESIRED_HASH_ANNOTATION = f"{GROUP}/desired-hash"
+from davit_operator.api.identity import FIELD_MANAGER
+from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION
 
 # kind -> (API path prefix, plural) for the kinds the operator manages.
 KIND_PATHS: dict[str, tuple[str, str]] = {
@@ -51,20 +49,6 @@ class KubeError(RuntimeError):
     def is_temporary(self) -> bool:
         """Worth retrying unchanged: transport errors, throttling, conflicts, server errors."""
         return self.status in (0, 409, 429) or self.status >= 500
-
-
-def desired_hash(obj: dict[str, Any]) -> str:
-    """Stable hash of a desired object (without the hash annotation itself)."""
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def with_hash(obj: dict[str, Any]) -> dict[str, Any]:
-    """The object with its desired-state hash recorded as an annotation."""
-    digest = desired_hash(obj)
-    metadata = dict(obj["metadata"])
-    metadata["annotations"] = {**metadata.get("annotations", {}), DESIRED_HASH_ANNOTATION: digest}
-    return {**obj, "metadata": metadata}
 
 
 def _same_scalar(want: Any, have: Any) -> bool:

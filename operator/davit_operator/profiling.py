@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from davit_contract.profile import MemoryProfile, ProfileFormatError
-from davit_operator.builders import Owner
+from davit_operator.builders.metadata import Owner
 from davit_operator.builders.profile_job import (
     PROFILE_KEY,
     profile_config_map,

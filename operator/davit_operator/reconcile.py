@@ -18,15 +18,12 @@ import kopf
 from pydantic import ValidationError
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.builders import Owner, children
+from davit_operator.builders.children import children
+from davit_operator.builders.deployment import engine_deployment
+from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION, with_hash
+from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import Catalog
-from davit_operator.kube import (
-    DESIRED_HASH_ANNOTATION,
-    KubeClient,
-    KubeError,
-    needs_apply,
-    with_hash,
-)
+from davit_operator.kube import KubeClient, KubeError, needs_apply
 from davit_operator.metrics import (
     CHILD_WRITES,
     RECONCILE_DURATION,
@@ -153,7 +150,10 @@ async def _apply_children(
     wanted_kinds = set()
     writes: list[str] = []
     now = time.monotonic()
-    for desired in children(plan, owner) if desired_children is None else desired_children:
+    if desired_children is None:
+        stable = engine_deployment(plan, owner, "stable", plan.replicas).manifest
+        desired_children = children(plan, owner, [stable])
+    for desired in desired_children:
         kind = desired["kind"]
         child_name = desired["metadata"]["name"]
         # A rollout's canary Deployment shares the owner key with the stable one.

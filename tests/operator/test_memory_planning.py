@@ -10,7 +10,8 @@ import pytest
 from isvc_helpers import make_spec
 
 from davit_contract.profile import MemoryProfile
-from davit_operator.builders import Owner, deployment
+from davit_operator.builders.deployment import engine_deployment
+from davit_operator.builders.metadata import Owner
 from davit_operator.builders.profile_job import (
     PROFILE_IDENTITY_LABEL,
     profile_config_map,
@@ -189,7 +190,9 @@ def test_profiled_plan_passes_the_measured_bytes() -> None:
     status = profiled.memory.to_status() if profiled.memory else {}
     assert status["source"] == "profile"
     assert status["tokenCapacity"] == profile.memory.token_capacity
-    container = deployment(profiled, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    container = engine_deployment(profiled, OWNER, "stable", 1).manifest["spec"]["template"][
+        "spec"
+    ]["containers"][0]
     assert container["args"] == args
     # Applying a second profile replaces the flag instead of repeating it.
     again = with_memory(profiled, profile_plan(profile, h, profile_name(h)))
@@ -201,7 +204,7 @@ def test_profile_job_runs_the_replicas_image_and_placement() -> None:
     h = identity_hash(profile_identity(plan))
     job = profile_job(plan, OWNER, h)
     pod = job["spec"]["template"]["spec"]
-    replica = deployment(plan, OWNER)["spec"]["template"]["spec"]
+    replica = engine_deployment(plan, OWNER, "stable", 1).manifest["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     (engine,) = replica["containers"]
     assert job["metadata"]["name"] == profile_name(h)

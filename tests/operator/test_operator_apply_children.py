@@ -10,7 +10,7 @@ import kopf
 import pytest
 from isvc_helpers import make_spec, spec_dict
 
-from davit_operator.builders import Owner
+from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import KubeError
 from davit_operator.planning.plan import make_plan

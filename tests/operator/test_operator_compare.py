@@ -7,9 +7,11 @@ from typing import Any
 
 from isvc_helpers import make_spec
 
-from davit_operator.builders import Owner, deployment
+from davit_operator.builders.deployment import engine_deployment
+from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION, with_hash
+from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.kube import DESIRED_HASH_ANNOTATION, is_subset, needs_apply, with_hash
+from davit_operator.kube import is_subset, needs_apply
 from davit_operator.planning.plan import make_plan
 
 CATALOG = load_catalog()
@@ -17,7 +19,8 @@ OWNER = Owner(name="svc", uid="uid-1")
 
 
 def _desired(**overrides: Any) -> dict[str, Any]:
-    return with_hash(deployment(make_plan("svc", "ns", make_spec(**overrides), CATALOG), OWNER))
+    plan = make_plan("svc", "ns", make_spec(**overrides), CATALOG)
+    return with_hash(engine_deployment(plan, OWNER, "stable", plan.replicas).manifest)
 
 
 def _as_served(obj: dict[str, Any]) -> dict[str, Any]:

@@ -12,9 +12,11 @@ import pytest
 from isvc_cluster import get_json
 from isvc_helpers import make_spec, spec_dict
 
-from davit_operator.builders import Owner, service
+from davit_operator.builders.digest import with_hash
+from davit_operator.builders.metadata import Owner
+from davit_operator.builders.service import service
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply, with_hash
+from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply
 from davit_operator.planning.plan import make_plan
 
 if TYPE_CHECKING:

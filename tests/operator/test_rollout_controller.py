@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from isvc_helpers import make_spec
 
-from davit_operator.builders import Owner, deployment
-from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning.plan import make_plan
-from davit_operator.rollout.controller import (
+from davit_operator.builders.deployment import (
     REVISION_ANNOTATION,
     TRACK_LABEL,
-    canary_deployment,
-    rollout_status,
-    stable_deployment,
+    engine_deployment,
+    pod_template,
 )
+from davit_operator.builders.metadata import Owner
+from davit_operator.catalog.loader import load_catalog
+from davit_operator.planning.plan import make_plan
+from davit_operator.rollout.controller import rollout_status
 from davit_operator.rollout.machine import Decision
-from davit_operator.rollout.revision import revision_of
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="u-1")
@@ -24,8 +23,10 @@ INSTANCE = "serving.davit.dev/inferenceservice"
 
 def test_canary_deployment_sits_inside_the_service_selector_with_its_own() -> None:
     plan = make_plan("svc", "ns", make_spec(replicas=4, limits={"maxNumSeqs": 8}), CATALOG)
-    canary = canary_deployment(plan, OWNER, 1)
-    revision = revision_of(deployment(plan, OWNER))
+    built = engine_deployment(plan, OWNER, "canary", 1)
+    canary = built.manifest
+    revision = pod_template(plan).revision
+    assert built.revision == revision
     assert canary["metadata"]["name"] == "svc-canary"
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["selector"]["matchLabels"] == {INSTANCE: "svc", TRACK_LABEL: "canary"}
@@ -34,14 +35,17 @@ def test_canary_deployment_sits_inside_the_service_selector_with_its_own() -> No
     assert labels["serving.davit.dev/revision"] == revision
     assert canary["metadata"]["annotations"] == {REVISION_ANNOTATION: revision}
     # Same engine as the stable Deployment would run for this plan.
-    stable = stable_deployment(plan, OWNER, 3, paused=False)
+    stable_built = engine_deployment(plan, OWNER, "stable", 3)
+    stable = stable_built.manifest
+    assert stable_built.revision == revision
+    assert stable["metadata"]["annotations"] == {REVISION_ANNOTATION: revision}
     assert (
         canary["spec"]["template"]["spec"]["containers"]
         == stable["spec"]["template"]["spec"]["containers"]
     )
     assert stable["spec"]["selector"]["matchLabels"] == {INSTANCE: "svc"}
     assert TRACK_LABEL not in stable["spec"]["template"]["metadata"]["labels"]
-    marked = stable_deployment(plan, OWNER, 3, paused=True, track_label=True)
+    marked = engine_deployment(plan, OWNER, "stable", 3, paused=True, track_labels=True).manifest
     assert marked["spec"]["paused"] is True
     assert marked["spec"]["template"]["metadata"]["labels"][TRACK_LABEL] == "stable"
 
@@ -50,19 +54,23 @@ def test_revision_ignores_replicas_and_follows_the_engine() -> None:
     a = make_plan("svc", "ns", make_spec(replicas=1), CATALOG)
     b = make_plan("svc", "ns", make_spec(replicas=5), CATALOG)
     c = make_plan("svc", "ns", make_spec(replicas=1, limits={"maxModelLen": 4096}), CATALOG)
-    assert revision_of(deployment(a, OWNER)) == revision_of(deployment(b, OWNER))
-    assert revision_of(deployment(a, OWNER)) != revision_of(deployment(c, OWNER))
+    assert pod_template(a).revision == pod_template(b).revision
+    assert pod_template(a).revision != pod_template(c).revision
+    # A track or a replica count is no new revision either.
+    on_canary = engine_deployment(b, OWNER, "canary", 2).revision
+    assert engine_deployment(a, OWNER, "stable", 1).revision == on_canary
 
 
 def test_drain_settings_match_the_engine_flag() -> None:
     plan = make_plan("svc", "ns", make_spec(rollout={"drainSeconds": 45}), CATALOG)
-    pod = deployment(plan, OWNER)["spec"]["template"]["spec"]
+    built = engine_deployment(plan, OWNER, "stable", 1).manifest
+    pod = built["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
     assert pod["terminationGracePeriodSeconds"] == 5 + 45 + 10
     args = container["args"]
     assert args[args.index("--drain-timeout") + 1] == "45"
-    strategy = deployment(plan, OWNER)["spec"]["strategy"]["rollingUpdate"]
+    strategy = built["spec"]["strategy"]["rollingUpdate"]
     assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
 
 

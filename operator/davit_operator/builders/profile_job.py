@@ -2,8 +2,8 @@
 
 The Job runs the replicas' own image, command and arguments on the same accelerator class
 (node selector, tolerations, affinity, resources), plus `--profile-only`: the engine measures
-memory, writes its profile (davit_engine.memory) to the termination log and exits. One Job per
-profile identity; its name and label carry the identity hash.
+memory, writes its profile (the contract's memory profile document) to the termination log and
+exits. One Job per profile identity; its name and label carry the identity hash.
 
 The ConfigMap has no owner: a profile outlives the InferenceService that asked for it, so a
 later InferenceService with the same identity starts without a Job.
@@ -14,13 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from davit_operator.api.identity import GROUP
-from davit_operator.builders import (
-    MANAGED_BY,
-    Owner,
-    engine_volume_mounts,
-    engine_volumes,
-    owner_reference,
-)
+from davit_operator.builders.metadata import MANAGED_BY, Owner, owner_reference
+from davit_operator.builders.pod import engine_volume_mounts, engine_volumes, scheduling
 from davit_operator.planning.memory import KV_FLAG
 from davit_operator.planning.plan import Plan
 
@@ -82,15 +77,8 @@ def profile_job(plan: Plan, owner: Owner, identity_hash: str) -> dict[str, Any]:
             }
         ],
         "volumes": volumes,
+        **scheduling(plan),
     }
-    if plan.placement.node_selector:
-        pod_spec["nodeSelector"] = plan.placement.node_selector
-    if plan.placement.tolerations:
-        pod_spec["tolerations"] = plan.placement.tolerations
-    if plan.placement.affinity:
-        pod_spec["affinity"] = plan.placement.affinity
-    if plan.spec.pod.service_account_name:
-        pod_spec["serviceAccountName"] = plan.spec.pod.service_account_name
     name = profile_name(identity_hash)
     labels = profile_labels(identity_hash)
     return {

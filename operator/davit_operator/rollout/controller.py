@@ -13,20 +13,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
 
-from davit_operator.api.identity import GROUP
 from davit_operator.api.rollout import ROLLOUT_PROGRESSING
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.builders import INSTANCE_LABEL, Owner, children, deployment
+from davit_operator.builders.children import children
+from davit_operator.builders.deployment import (
+    REVISION_ANNOTATION,
+    REVISION_LABEL,
+    TRACK_LABEL,
+    EngineDeployment,
+    canary_name,
+    engine_deployment,
+    pod_template,
+)
+from davit_operator.builders.metadata import INSTANCE_LABEL, Owner
 from davit_operator.kube import KubeClient, KubeError
 from davit_operator.metrics import CHILD_WRITES
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.plan import Plan
-from davit_operator.rollout.gateway import GATEWAY_VERSION, track_services, weighted_rules
+from davit_operator.rollout.gateway import GATEWAY_VERSION, weighted_rules
 from davit_operator.rollout.machine import (
     Decision,
     Inputs,
@@ -37,58 +46,13 @@ from davit_operator.rollout.machine import (
     parse_iso,
 )
 from davit_operator.rollout.metrics import Reading, read_pods
-from davit_operator.rollout.revision import revision_of
 from davit_operator.status import deployment_progress
 
 logger = logging.getLogger(__name__)
 
-REVISION_ANNOTATION = f"{GROUP}/revision"
-REVISION_LABEL = f"{GROUP}/revision"
-TRACK_LABEL = f"{GROUP}/track"
-CANARY_SUFFIX = "-canary"
 # How long the rollout status this process wrote stands in for a watch event not yet seen.
 RECENT_STATUS_SECONDS = 30.0
 GATEWAY_CHECK_SECONDS = 60.0
-
-
-def canary_name(name: str) -> str:
-    return f"{name}{CANARY_SUFFIX}"
-
-
-def stable_deployment(
-    plan: Plan, owner: Owner, replicas: int, paused: bool, track_label: bool = False
-) -> dict[str, Any]:
-    """The stable Deployment for `plan` (the stable revision's plan), scaled for the step.
-    `track_label` marks its pods `track=stable` for the HTTPRoute's stable Service."""
-    built = deployment(plan, owner)
-    built["metadata"]["annotations"] = {REVISION_ANNOTATION: revision_of(built)}
-    built["spec"]["replicas"] = replicas
-    if paused:
-        built["spec"]["paused"] = True
-    if track_label:
-        template = built["spec"]["template"]["metadata"]
-        template["labels"] = {**template["labels"], TRACK_LABEL: "stable"}
-    return built
-
-
-def canary_deployment(plan: Plan, owner: Owner, replicas: int) -> dict[str, Any]:
-    """The canary Deployment: the spec's revision, its own selector within the Service's."""
-    built = deployment(plan, owner)
-    revision = revision_of(built)
-    built["metadata"]["name"] = canary_name(plan.name)
-    built["metadata"]["labels"] = {**built["metadata"]["labels"], TRACK_LABEL: "canary"}
-    built["metadata"]["annotations"] = {REVISION_ANNOTATION: revision}
-    built["spec"]["replicas"] = replicas
-    built["spec"]["selector"] = {
-        "matchLabels": {**built["spec"]["selector"]["matchLabels"], TRACK_LABEL: "canary"}
-    }
-    labels = built["spec"]["template"]["metadata"]["labels"]
-    built["spec"]["template"]["metadata"]["labels"] = {
-        **labels,
-        TRACK_LABEL: "canary",
-        REVISION_LABEL: revision,
-    }
-    return built
 
 
 def _revision(live: dict[str, Any] | None) -> str | None:
@@ -159,15 +123,15 @@ class RolloutMemory:
 @dataclass(frozen=True)
 class RolloutResult:
     decision: Decision
-    deployments: list[dict[str, Any]]  # desired Deployments (stable first)
+    deployments: list[EngineDeployment]  # desired Deployments (stable first)
     remove_canary: dict[str, Any] | None  # the live canary Deployment to delete
-    services: list[dict[str, Any]] = field(default_factory=list)  # per-track (HTTPRoute)
     route: tuple[str, str, int, int] | None = None  # (route, service, port, canary weight)
 
     def children(self, plan: Plan, owner: Owner) -> list[dict[str, Any]]:
-        """Every child to apply: the rollout's Deployments, then the plan's other children."""
-        others = [c for c in children(plan, owner) if c["kind"] != "Deployment"]
-        return [*self.deployments, *others, *self.services]
+        """Every child to apply: the rollout's Deployments, then the plan's other children
+        (with a Service per track while an HTTPRoute splits the traffic)."""
+        deployments = [d.manifest for d in self.deployments]
+        return children(plan, owner, deployments, per_track_services=self.route is not None)
 
 
 async def apply_rollout_effects(
@@ -203,9 +167,9 @@ async def _gateway_served(kube: KubeClient, memory: RolloutMemory) -> bool:
     return memory.gateway[0]
 
 
-def _target(plan: Plan, owner: Owner) -> Target:
+def _target(plan: Plan, revision: str) -> Target:
     return Target(
-        revision=revision_of(deployment(plan, owner)),
+        revision=revision,
         spec_json=plan.spec.model_dump_json(by_alias=True, exclude_none=True),
         image=plan.image.reference,
         digest=plan.image.digest,
@@ -232,7 +196,8 @@ async def plan_rollout(
         written, written_revisions, at = memory.written
         if old != written and time.monotonic() - at < RECENT_STATUS_SECONDS:
             old, revisions = dict(written), list(written_revisions)
-    target = _target(plan, owner)
+    template = pod_template(plan)
+    target = _target(plan, template.revision)
     stable_live = live.get(plan.name)
     canary_live = live.get(canary_name(plan.name))
     spec = plan.spec.rollout
@@ -287,31 +252,29 @@ async def plan_rollout(
             # only the spec's revision can be built.
             stable_plan = plan
     deployments = [
-        stable_deployment(
+        engine_deployment(
             stable_plan,
             owner,
+            "stable",
             decision.stable_replicas,
-            decision.stable_paused,
-            track_label=route_name is not None,
+            paused=decision.stable_paused,
+            track_labels=route_name is not None,
+            template=template if stable_plan is plan else None,
         )
     ]
     remove = None
     if decision.canary_replicas > 0:
-        deployments.append(canary_deployment(plan, owner, decision.canary_replicas))
+        deployments.append(
+            engine_deployment(plan, owner, "canary", decision.canary_replicas, template=template)
+        )
     elif canary_live is not None:
         remove = canary_live
-    services: list[dict[str, Any]] = []
     route = None
     if on_route and route_name is not None:
-        services = track_services(plan, owner, TRACK_LABEL)
         weight = int(decision.rollout.get("weight") or 0) if decision.canary_replicas else 0
         route = (route_name, plan.name, plan.port, weight)
     return RolloutResult(
-        decision=decision,
-        deployments=deployments,
-        remove_canary=remove,
-        services=services,
-        route=route,
+        decision=decision, deployments=deployments, remove_canary=remove, route=route
     )
 
 

@@ -1,8 +1,8 @@
 """Canary weights on a Gateway API HTTPRoute instead of replica ratios.
 
 The user owns the HTTPRoute (its parents, matches and filters); the operator only rewrites the
-`backendRefs` of the rules that point at this InferenceService (its Service, or the two Services
-below), to the stable and canary Services with the step's weights. Pods carry a track label
+`backendRefs` of the rules that point at this InferenceService (its Service, or the per-track
+Services of `builders.service`), to the stable and canary Services with the step's weights. Pods carry a track label
 (`stable` or `canary`), so each Service selects one side.
 """
 
@@ -10,43 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from davit_operator.builders import Owner, owner_reference, selector_labels
-from davit_operator.planning.plan import Plan
+from davit_operator.builders.deployment import TRACKS
+from davit_operator.builders.service import track_service_name
 
 GATEWAY_VERSION = "gateway.networking.k8s.io/v1"
-TRACKS = ("stable", "canary")
-
-
-def track_service_name(name: str, track: str) -> str:
-    return f"{name}-{track}"
-
-
-def track_services(plan: Plan, owner: Owner, track_label: str) -> list[dict[str, Any]]:
-    """ClusterIP Services NAME-stable and NAME-canary, one per track."""
-    built: list[dict[str, Any]] = []
-    for track in TRACKS:
-        selector: dict[str, str] = {**selector_labels(plan.name), track_label: track}
-        labels: dict[str, str] = {"app.kubernetes.io/managed-by": "davit-operator", **selector}
-        built.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {
-                    "name": track_service_name(plan.name, track),
-                    "namespace": plan.namespace,
-                    "labels": labels,
-                    "ownerReferences": [owner_reference(owner)],
-                },
-                "spec": {
-                    "type": "ClusterIP",
-                    "selector": selector,
-                    "ports": [
-                        {"name": "http", "port": plan.port, "targetPort": "http", "protocol": "TCP"}
-                    ],
-                },
-            }
-        )
-    return built
 
 
 def _is_ours(ref: dict[str, Any], names: set[str]) -> bool:

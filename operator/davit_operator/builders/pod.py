@@ -1,0 +1,52 @@
+"""Pod parts the engine Deployment and the profiling Job share: volumes and scheduling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from davit_operator.planning.args import MODEL_CACHE_DIR
+from davit_operator.planning.plan import Plan
+
+
+def engine_volume_mounts(plan: Plan) -> list[dict[str, Any]]:
+    """The engine container's mounts: model cache, shared memory, read-only model volumes."""
+    mounts: list[dict[str, Any]] = [
+        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    mounts += [
+        {"name": m.volume_name, "mountPath": m.mount_path, "readOnly": True}
+        for m in plan.invocation.model_mounts
+    ]
+    return mounts
+
+
+def engine_volumes(plan: Plan) -> list[dict[str, Any]]:
+    """The pod volumes behind `engine_volume_mounts`."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": {}},
+        # Tensor-parallel workers exchange tensors through shared memory.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    volumes += [
+        {
+            "name": m.volume_name,
+            "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True},
+        }
+        for m in plan.invocation.model_mounts
+    ]
+    return volumes
+
+
+def scheduling(plan: Plan) -> dict[str, Any]:
+    """The pod spec's node selector, tolerations, affinity and service account, where set."""
+    fields: dict[str, Any] = {}
+    if plan.placement.node_selector:
+        fields["nodeSelector"] = plan.placement.node_selector
+    if plan.placement.tolerations:
+        fields["tolerations"] = plan.placement.tolerations
+    if plan.placement.affinity:
+        fields["affinity"] = plan.placement.affinity
+    if plan.spec.pod.service_account_name:
+        fields["serviceAccountName"] = plan.spec.pod.service_account_name
+    return fields
