@@ -21,7 +21,7 @@ from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning.placement import NodeFacts
 from davit_operator.reconcile import Runtime, reconcile
-from davit_operator.rollout import RolloutMemory
+from davit_operator.rollout.controller import RolloutMemory
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 

@@ -18,6 +18,7 @@ import kopf
 from pydantic import ValidationError
 
 from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.api.status import InferenceServiceStatus
 from davit_operator.builders.children import children
 from davit_operator.builders.deployment import engine_deployment
 from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION, with_hash
@@ -41,14 +42,15 @@ from davit_operator.profiling import (
     replicas_may_start,
     resolve_profile,
 )
-from davit_operator.rollout import (
+from davit_operator.rollout.controller import (
     RolloutMemory,
     RolloutResult,
     apply_rollout_effects,
     plan_rollout,
-    rollout_status,
 )
-from davit_operator.status import compute_status, status_patch
+from davit_operator.rollout.status import rollout_status
+from davit_operator.status.compute import compute_status
+from davit_operator.status.patch import status_patch
 
 # How long an own apply stands in for a watch event that has not arrived yet.
 RECENT_APPLY_SECONDS = 60.0
@@ -105,29 +107,28 @@ def _post_events(
     post: Callable[[kopf.Body, str, str, str], None],
     body: kopf.Body,
     old: dict[str, Any],
-    new: dict[str, Any],
+    new: InferenceServiceStatus,
 ) -> None:
     """One event per state change: Ready's status or reason, Stalled's status."""
     before = {c.get("type"): c for c in old.get("conditions") or []}
-    after = {c["type"]: c for c in new.get("conditions") or []}
+    after = {c.type: c for c in new.conditions}
     ready, stalled = after.get("Ready"), after.get("Stalled")
     prior_ready, prior_stalled = before.get("Ready"), before.get("Stalled")
-    if stalled and stalled["status"] == "True":
+    if stalled and stalled.status == "True":
         if (
             not prior_stalled
             or prior_stalled.get("status") != "True"
-            or (prior_stalled.get("reason") != stalled["reason"])
+            or (prior_stalled.get("reason") != stalled.reason)
         ):
-            post(body, "Warning", stalled["reason"], stalled["message"])
+            post(body, "Warning", stalled.reason, stalled.message)
         return
     if prior_stalled and prior_stalled.get("status") == "True":
         post(body, "Normal", "Recovered", "no longer stalled")
     if ready and (
         not prior_ready
-        or (prior_ready.get("status"), prior_ready.get("reason"))
-        != (ready["status"], ready["reason"])
+        or (prior_ready.get("status"), prior_ready.get("reason")) != (ready.status, ready.reason)
     ):
-        post(body, "Normal", ready["reason"], f"Ready={ready['status']}: {ready['message']}")
+        post(body, "Normal", ready.reason, f"Ready={ready.status}: {ready.message}")
 
 
 async def _apply_children(

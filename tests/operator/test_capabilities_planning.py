@@ -24,7 +24,7 @@ from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog, CatalogError, load_catalog
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.plan import Plan, make_plan
-from davit_operator.status import compute_status
+from davit_operator.status.compute import compute_status
 
 CATALOG = load_catalog()
 PACKAGED = Path(load_catalog.__code__.co_filename).parent
@@ -225,12 +225,12 @@ def test_refusal_stalls_the_inference_service() -> None:
     status = compute_status(
         plan=None, error=err, deployment=None, old_status={}, generation=3, now="t"
     )
-    conds = {c["type"]: c for c in status["conditions"]}
-    assert conds["Stalled"]["status"] == "True"
-    assert conds["Stalled"]["reason"] == "UnsupportedByEngine"
-    assert "parallelism.tensor 2" in conds["Stalled"]["message"]
-    assert conds["Ready"]["status"] == "False"
-    assert conds["Reconciling"]["status"] == "False"
+    conds = {c.type: c for c in status.conditions}
+    assert conds["Stalled"].status == "True"
+    assert conds["Stalled"].reason == "UnsupportedByEngine"
+    assert "parallelism.tensor 2" in conds["Stalled"].message
+    assert conds["Ready"].status == "False"
+    assert conds["Reconciling"].status == "False"
 
 
 def test_capabilities_are_catalog_data(tmp_path: Path) -> None:

@@ -187,9 +187,10 @@ def test_profiled_plan_passes_the_measured_bytes() -> None:
     args = profiled.invocation.args
     assert args.count(KV_FLAG) == 1
     assert args[args.index(KV_FLAG) + 1] == str(profile.memory.kv_cache_bytes)
-    status = profiled.memory.to_status() if profiled.memory else {}
-    assert status["source"] == "profile"
-    assert status["tokenCapacity"] == profile.memory.token_capacity
+    assert profiled.memory is not None
+    status = profiled.memory.to_status()
+    assert status.source == "profile"
+    assert status.token_capacity == profile.memory.token_capacity
     container = engine_deployment(profiled, OWNER, "stable", 1).manifest["spec"]["template"][
         "spec"
     ]["containers"][0]

@@ -7,11 +7,13 @@ from typing import Any
 import pytest
 from isvc_helpers import make_spec
 
+from davit_operator.api.status import InferenceServiceStatus
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.placement import NodeFacts
 from davit_operator.planning.plan import make_plan
-from davit_operator.status import compute_status, status_patch
+from davit_operator.status.compute import compute_status
+from davit_operator.status.patch import status_fields, status_patch
 
 CATALOG = load_catalog()
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -34,18 +36,25 @@ def _conds(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in status["conditions"]}
 
 
+def _written(status: InferenceServiceStatus) -> dict[str, Any]:
+    """The status as the API server holds it after the patch (the next reconcile's input)."""
+    return status_fields(status)
+
+
 def test_progress_to_ready_and_no_patch_when_unchanged() -> None:
     plan = make_plan("svc", "ns", make_spec(), CATALOG)
-    first = compute_status(
-        plan=plan, error=None, deployment=None, old_status={}, generation=1, now=T0
+    first = _written(
+        compute_status(plan=plan, error=None, deployment=None, old_status={}, generation=1, now=T0)
     )
     conds = _conds(first)
     assert conds["Ready"]["status"] == "False" and conds["Reconciling"]["status"] == "True"
     assert conds["Stalled"]["status"] == "False"
     assert conds["ImageResolved"]["reason"] == "Unpinned"
     assert conds["RunnerSelected"]["message"] == "V2: V2 is the default runner of davit 0.1.0"
-    ready = compute_status(
-        plan=plan, error=None, deployment=_deployment(1), old_status=first, generation=1, now=T1
+    ready = _written(
+        compute_status(
+            plan=plan, error=None, deployment=_deployment(1), old_status=first, generation=1, now=T1
+        )
     )
     conds = _conds(ready)
     assert conds["Ready"]["status"] == "True" and conds["Ready"]["lastTransitionTime"] == T1
@@ -60,8 +69,10 @@ def test_progress_to_ready_and_no_patch_when_unchanged() -> None:
 
 def test_spec_error_stalls_and_keeps_the_running_artifact() -> None:
     plan = make_plan("svc", "ns", make_spec(), CATALOG)
-    ready = compute_status(
-        plan=plan, error=None, deployment=_deployment(1), old_status={}, generation=1, now=T0
+    ready = _written(
+        compute_status(
+            plan=plan, error=None, deployment=_deployment(1), old_status={}, generation=1, now=T0
+        )
     )
     with pytest.raises(PlanError) as err:
         make_plan(
@@ -78,11 +89,11 @@ def test_spec_error_stalls_and_keeps_the_running_artifact() -> None:
         generation=2,
         now=T1,
     )
-    conds = _conds(stalled)
+    conds = _conds(_written(stalled))
     assert conds["Stalled"]["status"] == "True" and conds["Ready"]["status"] == "False"
     assert "last published in 0.32.0" in conds["Stalled"]["message"]
     assert conds["ImageResolved"]["status"] == "False"
-    assert stalled["observedGeneration"] == 2
+    assert stalled.observed_generation == 2
     patch = status_patch(ready, stalled)
     assert set(patch) == {"observedGeneration", "conditions"}
 
@@ -105,7 +116,7 @@ def test_impossible_spec_is_explained() -> None:
     status = compute_status(
         plan=plan, error=None, deployment=_deployment(0), old_status={}, generation=1, now=T0
     )
-    conds = _conds(status)
+    conds = _conds(_written(status))
     assert conds["Stalled"]["status"] == "True" and conds["Stalled"]["reason"] == "NoNodeFits"
     assert conds["Schedulable"]["status"] == "False"
     assert "largest matching node offers 8" in conds["Ready"]["message"]
@@ -116,7 +127,11 @@ def test_rollout_in_progress_reconciles() -> None:
     dep = _deployment(1, replicas=2)
     dep["status"]["updatedReplicas"] = 1
     conds = _conds(
-        compute_status(plan=plan, error=None, deployment=dep, old_status={}, generation=1, now=T0)
+        _written(
+            compute_status(
+                plan=plan, error=None, deployment=dep, old_status={}, generation=1, now=T0
+            )
+        )
     )
     assert (
         conds["Reconciling"]["status"] == "True" and conds["Reconciling"]["reason"] == "RollingOut"

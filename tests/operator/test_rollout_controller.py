@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from isvc_helpers import make_spec
 
+from davit_operator.api.status import InferenceServiceStatus
 from davit_operator.builders.deployment import (
     REVISION_ANNOTATION,
     TRACK_LABEL,
@@ -13,8 +14,9 @@ from davit_operator.builders.deployment import (
 from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.planning.plan import make_plan
-from davit_operator.rollout.controller import rollout_status
 from davit_operator.rollout.machine import Decision
+from davit_operator.rollout.status import rollout_status
+from davit_operator.status.patch import status_fields
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="u-1")
@@ -80,7 +82,11 @@ def _decision(condition: tuple[str, str, str], failed: str | None, settled: bool
         stable_replicas=1,
         stable_paused=False,
         canary_replicas=0,
-        rollout={"phase": "RolledBack" if failed else "Progressing", "step": None},
+        rollout={
+            "phase": "RolledBack" if failed else "Progressing",
+            "strategy": "Canary",
+            "step": None,
+        },
         revisions=[],
         condition=condition,
         failed=failed,
@@ -89,7 +95,7 @@ def _decision(condition: tuple[str, str, str], failed: str | None, settled: bool
 
 
 def test_rollback_stalls_and_keeps_transition_times() -> None:
-    computed = {
+    written = {
         "conditions": [
             {"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": "",
              "lastTransitionTime": "T0", "observedGeneration": 3},
@@ -97,13 +103,14 @@ def test_rollback_stalls_and_keeps_transition_times() -> None:
              "lastTransitionTime": "T0", "observedGeneration": 3},
         ]
     }  # fmt: skip
+    computed = InferenceServiceStatus.model_validate(written)
     decision = _decision(("False", "RolledBack", "revision b AnalysisFailed"), "RolledBack", True)
-    first = rollout_status(decision, computed, computed, "T1", 3)
+    first = status_fields(rollout_status(decision, computed, written, "T1", 3))
     by_type = {c["type"]: c for c in first["conditions"]}
     assert (by_type["Stalled"]["status"], by_type["Stalled"]["reason"]) == ("True", "RolledBack")
     assert by_type["Ready"]["status"] == "False" and by_type["Ready"]["lastTransitionTime"] == "T1"
     assert by_type["RolloutProgressing"]["message"] == "revision b AnalysisFailed"
     assert first["rollout"]["step"] is None, "None is sent, so the merge patch removes it"
     # Recomputed later from the same observation: no transition, no new time.
-    again = rollout_status(decision, computed, first, "T2", 3)
+    again = status_fields(rollout_status(decision, computed, first, "T2", 3))
     assert again["conditions"] == first["conditions"]

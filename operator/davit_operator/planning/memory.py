@@ -31,6 +31,7 @@ from davit_contract import engine_defaults
 from davit_contract.graphs import cuda_graph_estimate
 from davit_contract.profile import MemoryProfile
 from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.api.status import MemoryPlanStatus
 from davit_operator.planning.errors import PlanError
 
 if TYPE_CHECKING:
@@ -357,7 +358,8 @@ class MemoryPlan:
     max_concurrency: float | None = None
     profile_name: str | None = None
 
-    def to_status(self) -> dict[str, Any]:
+    def to_status(self) -> MemoryPlanStatus:
+        """The status's memoryPlan; fields without a value are left unset."""
         fields = {
             "source": self.source,
             "identityHash": self.identity_hash,
@@ -375,7 +377,7 @@ class MemoryPlan:
             if self.max_concurrency is not None
             else None,
         }
-        return {k: v for k, v in fields.items() if v is not None}
+        return MemoryPlanStatus.model_validate({k: v for k, v in fields.items() if v is not None})
 
 
 def _capacity(kv_bytes: int, per_token: int, max_model_len: int) -> tuple[int, float]:

@@ -1,23 +1,6 @@
 """Rollouts: rolling and canary updates gated on the engines' metrics, with rollback.
 
-`machine` decides (pure), `metrics` reads the canary engines, `controller` wires both into a
-reconcile, `revision` names what the replicas run.
+`machine` decides (pure), `observe` reduces the live Deployments and reads the canary through
+`metrics`, `gateway` weights an HTTPRoute, `controller` wires them into a reconcile, `status`
+writes the decision into the InferenceService status.
 """
-
-from davit_operator.rollout.controller import (
-    RolloutMemory,
-    RolloutResult,
-    apply_rollout_effects,
-    canary_name,
-    plan_rollout,
-    rollout_status,
-)
-
-__all__ = [
-    "RolloutMemory",
-    "RolloutResult",
-    "apply_rollout_effects",
-    "canary_name",
-    "plan_rollout",
-    "rollout_status",
-]

@@ -2,10 +2,9 @@
 
 `plan_rollout` turns the live Deployments (from the watch cache) and, when a canary runs and its
 analysis is due, a reading of the canary engines' metrics into a `Decision`, and builds the
-Deployments that decision wants: the stable one (`NAME`, selector `inferenceservice=NAME`) built
-from the stable revision's spec, and the canary one (`NAME-canary`, selected also by
-`track=canary`) built from the spec's revision. Both sit behind the same Service, whose selector
-matches both tracks, so the replica ratio is the traffic ratio.
+Deployments that decision wants (`builders.deployment`): the stable track from the stable
+revision's spec, the canary track from the spec's revision. `apply_rollout_effects` carries out
+what a plain apply cannot: deleting a canary no longer wanted and weighting an HTTPRoute.
 """
 
 from __future__ import annotations
@@ -18,19 +17,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from davit_operator.api.rollout import ROLLOUT_PROGRESSING
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders.children import children
 from davit_operator.builders.deployment import (
-    REVISION_ANNOTATION,
-    REVISION_LABEL,
-    TRACK_LABEL,
     EngineDeployment,
     canary_name,
     engine_deployment,
     pod_template,
 )
-from davit_operator.builders.metadata import INSTANCE_LABEL, Owner
+from davit_operator.builders.metadata import Owner
 from davit_operator.kube import KubeClient, KubeError
 from davit_operator.metrics import CHILD_WRITES
 from davit_operator.planning.errors import PlanError
@@ -39,14 +34,12 @@ from davit_operator.rollout.gateway import GATEWAY_VERSION, weighted_rules
 from davit_operator.rollout.machine import (
     Decision,
     Inputs,
-    Observed,
     Target,
     canary_split,
     decide,
     parse_iso,
 )
-from davit_operator.rollout.metrics import Reading, read_pods
-from davit_operator.status import deployment_progress
+from davit_operator.rollout.observe import observe, read_canary
 
 logger = logging.getLogger(__name__)
 
@@ -55,69 +48,30 @@ RECENT_STATUS_SECONDS = 30.0
 GATEWAY_CHECK_SECONDS = 60.0
 
 
-def _revision(live: dict[str, Any] | None) -> str | None:
-    if live is None:
-        return None
-    value = ((live.get("metadata") or {}).get("annotations") or {}).get(REVISION_ANNOTATION)
-    return str(value) if value is not None else None
+@dataclass(frozen=True)
+class WrittenRollout:
+    """The rollout status one reconcile wrote, and when (time.monotonic)."""
+
+    rollout: dict[str, Any]
+    revisions: list[dict[str, Any]]
+    at: float
 
 
-def _deadline_exceeded(live: dict[str, Any] | None) -> bool:
-    for cond in ((live or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-            return True
-    return False
+@dataclass(frozen=True)
+class GatewayCheck:
+    """Whether the API server served HTTPRoutes, and when that was asked (time.monotonic)."""
 
-
-def _canary_ready(live: dict[str, Any] | None) -> int:
-    if live is None:
-        return 0
-    status = live.get("status") or {}
-    if status.get("observedGeneration", 0) < (live.get("metadata") or {}).get("generation", 0):
-        return 0
-    if status.get("replicas", 0) > status.get("updatedReplicas", 0):
-        return 0  # replicas of an earlier canary revision are still around
-    return int(min(status.get("updatedReplicas", 0), status.get("readyReplicas", 0)))
-
-
-def observe(
-    stable: dict[str, Any] | None, canary: dict[str, Any] | None, stable_replicas: int
-) -> Observed:
-    done, _, _ = deployment_progress(stable, stable_replicas)
-    return Observed(
-        stable_done=done,
-        stable_revision=_revision(stable),
-        stable_deadline_exceeded=_deadline_exceeded(stable),
-        canary_revision=_revision(canary),
-        canary_ready=_canary_ready(canary),
-    )
-
-
-async def read_canary(kube: KubeClient, plan: Plan, revision: str) -> Reading:
-    """Metrics of the ready canary pods of `revision`, read from each pod's address."""
-    selector = f"{INSTANCE_LABEL}={plan.name},{TRACK_LABEL}=canary,{REVISION_LABEL}={revision}"
-    pods = await kube.list("Pod", plan.namespace, selector)
-    addresses = []
-    for pod in pods:
-        if (pod.get("metadata") or {}).get("deletionTimestamp"):
-            continue
-        status = pod.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or []
-        )
-        if ready and status.get("podIP"):
-            addresses.append(status["podIP"])
-    return await read_pods(sorted(addresses), plan.port, plan.health.metrics)
+    served: bool
+    at: float
 
 
 @dataclass
 class RolloutMemory:
-    """Per-object memory across reconciles (kopf's per-object memo): the rollout status this
+    """Per-object memory across reconciles (part of the object's memo): the rollout status this
     process wrote last, which a reconcile that runs before the watch shows it must not undo."""
 
-    written: tuple[dict[str, Any], list[dict[str, Any]], float] | None = None
-    gateway: tuple[bool, float] | None = None  # (Gateway API served, when checked)
+    written: WrittenRollout | None = None
+    gateway: GatewayCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +116,9 @@ async def apply_rollout_effects(
 async def _gateway_served(kube: KubeClient, memory: RolloutMemory) -> bool:
     """Whether HTTPRoutes are served, checked at most once a minute."""
     now = time.monotonic()
-    if memory.gateway is None or now - memory.gateway[1] > GATEWAY_CHECK_SECONDS:
-        memory.gateway = (await kube.serves(GATEWAY_VERSION, "httproutes"), now)
-    return memory.gateway[0]
+    if memory.gateway is None or now - memory.gateway.at > GATEWAY_CHECK_SECONDS:
+        memory.gateway = GatewayCheck(await kube.serves(GATEWAY_VERSION, "httproutes"), now)
+    return memory.gateway.served
 
 
 def _target(plan: Plan, revision: str) -> Target:
@@ -192,10 +146,10 @@ async def plan_rollout(
     now = time.time() if now is None else now
     old = dict(status.get("rollout") or {})
     revisions = list(status.get("revisions") or [])
-    if memory.written is not None:
-        written, written_revisions, at = memory.written
-        if old != written and time.monotonic() - at < RECENT_STATUS_SECONDS:
-            old, revisions = dict(written), list(written_revisions)
+    written = memory.written
+    recent = written is not None and time.monotonic() - written.at < RECENT_STATUS_SECONDS
+    if written is not None and recent and old != written.rollout:
+        old, revisions = dict(written.rollout), list(written.revisions)
     template = pod_template(plan)
     target = _target(plan, template.revision)
     stable_live = live.get(plan.name)
@@ -239,7 +193,7 @@ async def plan_rollout(
     if on_route and decision.canary_replicas > 0:
         # The route splits the traffic: the stable side keeps every replica.
         decision = replace(decision, stable_replicas=max(decision.stable_replicas, plan.replicas))
-    memory.written = (decision.rollout, decision.revisions, time.monotonic())
+    memory.written = WrittenRollout(decision.rollout, decision.revisions, time.monotonic())
     if decision.stable_spec_json == target.spec_json:
         stable_plan = plan
     else:
@@ -276,48 +230,3 @@ async def plan_rollout(
     return RolloutResult(
         decision=decision, deployments=deployments, remove_canary=remove, route=route
     )
-
-
-def rollout_status(
-    decision: Decision,
-    new_status: dict[str, Any],
-    old_status: dict[str, Any],
-    now_iso: str,
-    generation: int,
-) -> dict[str, Any]:
-    """`new_status` with the rollout, the revision history and the RolloutProgressing
-    condition; kstatus conditions follow the rollout (a rolled-back or failed target stalls,
-    a progressing one reconciles)."""
-    out = dict(new_status)
-    # None stays: kopf's merge patch deletes a field only when it is sent as null.
-    out["rollout"] = dict(decision.rollout)
-    out["revisions"] = decision.revisions
-    conditions = [dict(c) for c in new_status.get("conditions") or []]
-    status_, reason, message = decision.condition
-    overrides = [(ROLLOUT_PROGRESSING, status_, reason, message)]
-    stalled = any(c["type"] == "Stalled" and c["status"] == "True" for c in conditions)
-    if decision.failed and not stalled:
-        overrides += [
-            ("Ready", "False", decision.failed, message),
-            ("Reconciling", "False", decision.failed, "waiting for the spec to change"),
-            ("Stalled", "True", decision.failed, message),
-        ]
-    elif not decision.settled and not stalled and decision.rollout.get("phase") != "Complete":
-        overrides += [("Reconciling", "True", reason, message)]
-    by_type = {c["type"]: c for c in conditions}
-    previous = {c.get("type"): c for c in old_status.get("conditions") or []}
-    for type_, s, r, m in overrides:
-        before = previous.get(type_)
-        since = now_iso
-        if before and before.get("status") == s and before.get("lastTransitionTime"):
-            since = before["lastTransitionTime"]
-        by_type[type_] = {
-            "type": type_,
-            "status": s,
-            "reason": r,
-            "message": m,
-            "lastTransitionTime": since,
-            "observedGeneration": generation,
-        }
-    out["conditions"] = list(by_type.values())
-    return out

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from davit_operator.api.rollout import MAX_REVISIONS, RolloutSpec
+from davit_operator.api.status import ConditionStatus
 from davit_operator.rollout.metrics import Reading
 
 NORMAL, WARNING = "Normal", "Warning"
@@ -63,7 +64,7 @@ class Decision:
     canary_replicas: int  # 0: no canary Deployment
     rollout: dict[str, Any]
     revisions: list[dict[str, Any]]
-    condition: tuple[str, str, str]  # RolloutProgressing (status, reason, message)
+    condition: tuple[ConditionStatus, str, str]  # RolloutProgressing (status, reason, message)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     settled: bool = True  # False while the rollout still needs reconciles to advance
     failed: str | None = None  # reason, when the target failed and did not become stable
@@ -190,7 +191,7 @@ def _on_target(
     inp: Inputs,
     rollout: dict[str, Any],
     revisions: list[dict[str, Any]],
-    condition: tuple[str, str, str],
+    condition: tuple[ConditionStatus, str, str],
     *,
     stable_paused: bool = False,
     canary_replicas: int = 0,
@@ -594,7 +595,7 @@ def _canary_decision(
     reason: str,
 ) -> Decision:
     rollout = _base(inp, **fields)
-    status = "Unknown" if rollout["phase"] == "Paused" else "True"
+    status: ConditionStatus = "Unknown" if rollout["phase"] == "Paused" else "True"
     return Decision(
         stable_spec_json=stable_json,
         stable_replicas=stable,
