@@ -17,7 +17,7 @@ from davit_tools.devcluster.paths import BINARIES
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONTROLPLANE = REPO / "hack" / "controlplane"
 PT_INTERP = 3
 
@@ -85,9 +85,9 @@ def test_committed_wrapper_modules_are_what_update_modules_generates(tmp_path: P
     script_dir = tmp_path / "hack" / "controlplane"
     script_dir.mkdir(parents=True)
     shutil.copy(CONTROLPLANE / "update-modules.sh", script_dir)
-    versions_dir = tmp_path / "operator" / "davit_operator" / "devcluster"
+    versions_dir = tmp_path / "tools" / "davit_tools" / "devcluster"
     versions_dir.mkdir(parents=True)
-    shutil.copy(REPO / "operator" / "davit_operator" / "devcluster" / "versions.json", versions_dir)
+    shutil.copy(REPO / "tools" / "davit_tools" / "devcluster" / "versions.json", versions_dir)
     result = subprocess.run(
         ["bash", str(script_dir / "update-modules.sh")],
         capture_output=True,
