@@ -1,13 +1,12 @@
 """Thin kopf handlers: register the triggers, indexes and settings; `reconcile` does the work.
 
 Every trigger (create, update, resume, and the periodic drift timer) runs the same level-based
-`reconcile.reconcile`. Indexes over the operator's Deployments, Services, PodDisruptionBudgets
+`reconcile.reconciler.reconcile`. Indexes over the operator's Deployments, Services, PodDisruptionBudgets
 and the cluster's Nodes give it live state without API requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +19,10 @@ from davit_operator.catalog.loader import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning.placement import NodeFacts
-from davit_operator.reconcile import Runtime, reconcile
-from davit_operator.rollout.controller import RolloutMemory
+from davit_operator.reconcile.indexes import Indexes, KubeObject, ObjectKey, node_facts, watched
+from davit_operator.reconcile.memo import ObjectMemo
+from davit_operator.reconcile.reconciler import reconcile
+from davit_operator.reconcile.runtime import Runtime
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
@@ -38,11 +39,12 @@ class OperatorOptions:
     model_config_url: str | None = None
 
 
-def _strip(body: kopf.Body) -> dict[str, Any]:
-    """A compact copy of a watched object: managedFields are large and never needed."""
-    obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
-    obj["metadata"].pop("managedFields", None)
-    return obj
+def _by_owner(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body
+) -> dict[ObjectKey, KubeObject] | None:
+    """A child under the InferenceService its instance label names."""
+    owner = labels.get(INSTANCE_LABEL)
+    return {(namespace, owner): watched(body)} if owner else None
 
 
 def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
@@ -102,16 +104,14 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     )
     def deployment_index(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[Any, Any] | None:
-        owner = labels.get(INSTANCE_LABEL)
-        return {(namespace, owner): _strip(body)} if owner else None
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
 
     @kopf.index("v1", "services", labels=CHILD_LABELS, registry=registry, id="service_index")
     def service_index(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[Any, Any] | None:
-        owner = labels.get(INSTANCE_LABEL)
-        return {(namespace, owner): _strip(body)} if owner else None
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
 
     @kopf.index(
         "policy",
@@ -123,21 +123,12 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     )
     def pdb_index(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[Any, Any] | None:
-        owner = labels.get(INSTANCE_LABEL)
-        return {(namespace, owner): _strip(body)} if owner else None
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
 
     @kopf.index("v1", "nodes", registry=registry, id="node_index")
-    def node_index(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-        return {
-            name: NodeFacts(
-                name=name,
-                labels=dict(body.metadata.labels),
-                allocatable=dict(body.status.get("allocatable") or {}),
-                unschedulable=bool(body.spec.get("unschedulable", False)),
-                taints=tuple(dict(t) for t in body.spec.get("taints") or ()),
-            )
-        }
+    def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
+        return {name: node_facts(name, body)}
 
     async def run(
         trigger: str, memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **kw: Any
@@ -147,17 +138,15 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             runtime=memo.runtime,
             body=body,
             patch=patch,
-            indexes={
-                "deployment": kw["deployment_index"],
-                "service": kw["service_index"],
-                "poddisruptionbudget": kw["pdb_index"],
-                "node": kw["node_index"],
-            },
+            indexes=Indexes(
+                deployments=kw["deployment_index"],
+                services=kw["service_index"],
+                budgets=kw["pdb_index"],
+                nodes=kw["node_index"],
+            ),
+            # kopf gives each object its own memo (dropped with the object).
+            memo=memo.setdefault("reconcile", ObjectMemo()),
             retry_delay=options.retry_delay,
-            # kopf gives each object its own memo (dropped with the object): one lock per object.
-            lock=memo.setdefault("reconcile_lock", asyncio.Lock()),
-            recent=memo.setdefault("recent_applies", {}),
-            rollout_memory=memo.setdefault("rollout", RolloutMemory()),
         )
 
     @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")

@@ -10,11 +10,17 @@ import kopf
 import pytest
 from isvc_helpers import make_spec, spec_dict
 
+from davit_operator.builders.children import children
+from davit_operator.builders.deployment import engine_deployment
 from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import KubeError
 from davit_operator.planning.plan import make_plan
-from davit_operator.reconcile import Runtime, _apply_children, reconcile
+from davit_operator.reconcile.apply import apply_children
+from davit_operator.reconcile.indexes import Indexes
+from davit_operator.reconcile.memo import ObjectMemo
+from davit_operator.reconcile.reconciler import reconcile
+from davit_operator.reconcile.runtime import Runtime
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="uid-1")
@@ -39,64 +45,66 @@ class RecordingClient:
         self.deleted.append(f"{kind}/{namespace}/{name}/{uid}")
 
 
-def _indexes(**live: dict[str, Any]) -> dict[str, Any]:
-    def index(kind: str) -> dict[Any, list[dict[str, Any]]]:
+def _indexes(**live: dict[str, Any]) -> Indexes:
+    def index(kind: str) -> Any:
         return {KEY: [live[kind]]} if kind in live else {}
 
-    return {kind: index(kind) for kind in ("deployment", "service", "poddisruptionbudget", "node")}
-
-
-def _run(
-    client: RecordingClient, indexes: dict[str, Any], recent: dict[str, Any], **spec: Any
-) -> None:
-    runtime = Runtime(catalog=CATALOG, kube=client)  # type: ignore[arg-type]
-    plan = make_plan("svc", "ns", make_spec(**spec), CATALOG)
-    asyncio.run(_apply_children(runtime, plan, OWNER, indexes, recent))
+    return Indexes(
+        deployments=index("deployment"),
+        services=index("service"),
+        budgets=index("poddisruptionbudget"),
+        nodes={},
+    )
 
 
 def _run_writes(
-    client: RecordingClient, indexes: dict[str, Any], recent: dict[str, Any], **spec: Any
+    client: RecordingClient, indexes: Indexes, memo: ObjectMemo, **spec: Any
 ) -> list[str]:
-    runtime = Runtime(catalog=CATALOG, kube=client)  # type: ignore[arg-type]
     plan = make_plan("svc", "ns", make_spec(**spec), CATALOG)
-    _, writes = asyncio.run(_apply_children(runtime, plan, OWNER, indexes, recent))
-    return writes
+    stable = engine_deployment(plan, OWNER, "stable", plan.replicas).manifest
+    desired = children(plan, OWNER, [stable])
+    applied = asyncio.run(apply_children(client, "ns", "svc", desired, indexes, memo))  # type: ignore[arg-type]
+    return applied.writes
+
+
+def _run(client: RecordingClient, indexes: Indexes, memo: ObjectMemo, **spec: Any) -> None:
+    _run_writes(client, indexes, memo, **spec)
 
 
 def test_writes_once_even_when_the_watch_lags() -> None:
     client = RecordingClient()
-    recent: dict[str, Any] = {}
-    _run(client, _indexes(), recent)
+    memo = ObjectMemo()
+    _run(client, _indexes(), memo)
     assert client.applied == ["Deployment", "Service"]
     # The watch events have not arrived yet: the own applies stand in for them.
-    _run(client, _indexes(), recent)
+    _run(client, _indexes(), memo)
     assert client.applied == ["Deployment", "Service"]
-    deployment = recent["Deployment"][1]
-    service = recent["Service"][1]
+    deployment = memo.applies["Deployment"].live
+    service = memo.applies["Service"].live
     # The watch caught up: no write, and the memory of the applies is dropped.
-    _run(client, _indexes(deployment=deployment, service=service), recent)
-    assert client.applied == ["Deployment", "Service"] and recent == {}
+    _run(client, _indexes(deployment=deployment, service=service), memo)
+    assert client.applied == ["Deployment", "Service"] and memo.applies == {}
 
     drifted = copy.deepcopy(deployment)
     drifted["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
-    _run(client, _indexes(deployment=drifted, service=service), recent)
+    _run(client, _indexes(deployment=drifted, service=service), memo)
     assert client.applied == ["Deployment", "Service", "Deployment"]
 
 
 def test_budget_follows_the_replica_count() -> None:
     client = RecordingClient()
-    recent: dict[str, Any] = {}
-    _run(client, _indexes(), recent, replicas=2)
+    memo = ObjectMemo()
+    _run(client, _indexes(), memo, replicas=2)
     assert client.applied == ["Deployment", "Service", "PodDisruptionBudget"]
-    live = {kind.lower(): recent[kind][1] for kind in recent}
-    recent.clear()
-    writes = _run_writes(client, _indexes(**live), recent, replicas=1)
+    live = {kind.lower(): recent.live for kind, recent in memo.applies.items()}
+    memo.applies.clear()
+    writes = _run_writes(client, _indexes(**live), memo, replicas=1)
     assert writes == ["applied Deployment", "deleted PodDisruptionBudget"]
     assert client.applied[3:] == ["Deployment"]
     assert client.deleted == ["PodDisruptionBudget/ns/svc/PodDisruptionBudget-uid"]
     # The watch still shows the deleted budget: it is not deleted twice.
-    live["deployment"] = recent["Deployment"][1]
-    assert _run_writes(client, _indexes(**live), recent, replicas=1) == []
+    live["deployment"] = memo.applies["Deployment"].live
+    assert _run_writes(client, _indexes(**live), memo, replicas=1) == []
     assert len(client.deleted) == 1
 
 
@@ -126,9 +134,8 @@ def _reconcile(client: RecordingClient, body: dict[str, Any]) -> kopf.Patch:
             body=kopf.Body(body),
             patch=patch,
             indexes=_indexes(),
+            memo=ObjectMemo(),
             retry_delay=1.0,
-            lock=asyncio.Lock(),
-            recent={},
         )
     )
     return patch

@@ -1,0 +1,140 @@
+"""Step two of a reconcile: write the children that differ from what the plan wants.
+
+Live children come from the watch caches; a child is applied only when `needs_apply` says its
+desired state changed or someone changed a field the operator owns. The object's memo remembers
+its own applies until the watch shows them, so a reconcile that runs before the watch event
+arrives does not apply the same object again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import kopf
+
+from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION, with_hash
+from davit_operator.kube import KubeClient, KubeError, needs_apply
+from davit_operator.metrics import CHILD_WRITES
+from davit_operator.reconcile.indexes import Indexes, KubeObject
+from davit_operator.reconcile.memo import (
+    RECENT_WRITE_SECONDS,
+    ObjectMemo,
+    RecentApply,
+    RecentDelete,
+)
+from davit_operator.reconcile.plan import Planned, Subject, child_rejected
+from davit_operator.reconcile.runtime import Runtime
+from davit_operator.rollout.controller import apply_rollout_effects
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The live stable Deployment after the writes (fresh from the apply when one happened,
+    else from the watch cache) and the writes made ("applied Deployment", "deleted ...")."""
+
+    deployment: KubeObject | None
+    writes: list[str]
+
+
+def _hash_of(obj: KubeObject | None) -> str | None:
+    if obj is None:
+        return None
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(DESIRED_HASH_ANNOTATION)
+    return str(value) if value is not None else None
+
+
+async def apply_children(
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    desired: Sequence[KubeObject],
+    indexes: Indexes,
+    memo: ObjectMemo,
+) -> Applied:
+    """Apply what differs among `desired` (the children of the InferenceService `name`);
+    delete a PodDisruptionBudget no longer wanted."""
+    key = (namespace, name)
+    live_deployment = indexes.named("Deployment", key, name)
+    wanted_kinds = set()
+    writes: list[str] = []
+    now = time.monotonic()
+    for child in desired:
+        kind = child["kind"]
+        child_name = child["metadata"]["name"]
+        # A rollout's canary Deployment shares the owner key with the stable one.
+        memo_key = kind if child_name == name else f"{kind}/{child_name}"
+        is_main_deployment = kind == "Deployment" and child_name == name
+        wanted_kinds.add(kind)
+        live = indexes.named(kind, key, child_name)
+        obj = with_hash(child)
+        wanted_hash = obj["metadata"]["annotations"][DESIRED_HASH_ANNOTATION]
+        recent = memo.applies.get(memo_key)
+        if recent is not None:
+            if _hash_of(live) == recent.desired_hash or now - recent.at > RECENT_WRITE_SECONDS:
+                del memo.applies[memo_key]
+            elif recent.desired_hash == wanted_hash:
+                live = recent.live
+                if is_main_deployment:
+                    live_deployment = recent.live
+        if not needs_apply(obj, live):
+            continue
+        applied = await kube.apply(obj)
+        memo.applies[memo_key] = RecentApply(wanted_hash, applied, now)
+        CHILD_WRITES.labels(kind=kind, action="apply").inc()
+        writes.append(f"applied {kind}" + ("" if child_name == name else f" {child_name}"))
+        if is_main_deployment:
+            live_deployment = applied
+    stale = indexes.first("PodDisruptionBudget", key)
+    if "PodDisruptionBudget" not in wanted_kinds and stale is not None:
+        uid = stale["metadata"]["uid"]
+        # A budget deleted moments ago can linger in the watch cache: delete it once.
+        previous = memo.budget_delete
+        if previous is None or previous.uid != uid or now - previous.at > RECENT_WRITE_SECONDS:
+            await kube.delete("PodDisruptionBudget", namespace, name, uid)
+            memo.budget_delete = RecentDelete(uid, now)
+            CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
+            writes.append("deleted PodDisruptionBudget")
+    return Applied(live_deployment, writes)
+
+
+async def apply_planned(
+    runtime: Runtime,
+    body: kopf.Body,
+    subject: Subject,
+    planned: Planned,
+    indexes: Indexes,
+    memo: ObjectMemo,
+) -> tuple[Planned, KubeObject | None]:
+    """Carry out the rollout's effects and apply the children, posting an event per write.
+    Returns the plan as it stands after the writes (a child the API server refused turns it
+    into a refusal) and the live stable Deployment."""
+    deployment = indexes.named("Deployment", subject.key, subject.name)
+    rollout = planned.rollout
+    if planned.plan is None or rollout is None:
+        return planned, deployment
+    try:
+        effects = await apply_rollout_effects(runtime.kube, subject.namespace, rollout)
+        if effects:
+            runtime.post_event(body, "Normal", "Applied", ", ".join(effects))
+        for kind, reason, message in rollout.decision.events:
+            runtime.post_event(body, kind, reason, message)
+        applied = await apply_children(
+            runtime.kube,
+            subject.namespace,
+            subject.name,
+            planned.desired_children(subject.owner),
+            indexes,
+            memo,
+        )
+    except KubeError as exc:
+        if exc.is_temporary:
+            raise
+        return replace(planned, plan=None, error=child_rejected(exc)), deployment
+    if applied.writes:
+        runtime.post_event(
+            body, "Normal", "Applied", f"{', '.join(applied.writes)} ({subject.name})"
+        )
+    return planned, applied.deployment

@@ -1,0 +1,86 @@
+"""Step three of a reconcile: the status, and an event for every change of state.
+
+The status is computed whole every time (typed, `status.compute` and `rollout.status`), and only
+the top-level fields whose value changed go into kopf's patch, so an idle reconcile writes
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from davit_operator.api.status import READY, STALLED, InferenceServiceStatus
+from davit_operator.metrics import STATUS_WRITES
+from davit_operator.reconcile.indexes import KubeObject
+from davit_operator.reconcile.plan import Planned, Subject
+from davit_operator.reconcile.runtime import EventPoster
+from davit_operator.rollout.status import rollout_status
+from davit_operator.status.compute import compute_status
+from davit_operator.status.patch import status_patch
+
+
+def desired_status(
+    subject: Subject, planned: Planned, deployment: KubeObject | None, now: str
+) -> InferenceServiceStatus:
+    """The status this reconcile owns, computed from what it planned and observed."""
+    status = compute_status(
+        plan=planned.plan,
+        error=planned.error,
+        deployment=deployment,
+        old_status=subject.status,
+        generation=subject.generation,
+        now=now,
+    )
+    if planned.plan is not None and planned.rollout is not None:
+        status = rollout_status(
+            planned.rollout.decision, status, subject.status, now, subject.generation
+        )
+    return status
+
+
+def post_state_events(
+    post: EventPoster, body: kopf.Body, old: Mapping[str, Any], new: InferenceServiceStatus
+) -> None:
+    """One event per state change: Ready's status or reason, Stalled's status."""
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    after = {c.type: c for c in new.conditions}
+    ready, stalled = after.get(READY), after.get(STALLED)
+    prior_ready, prior_stalled = before.get(READY), before.get(STALLED)
+    if stalled and stalled.status == "True":
+        if (
+            not prior_stalled
+            or prior_stalled.get("status") != "True"
+            or (prior_stalled.get("reason") != stalled.reason)
+        ):
+            post(body, "Warning", stalled.reason, stalled.message)
+        return
+    if prior_stalled and prior_stalled.get("status") == "True":
+        post(body, "Normal", "Recovered", "no longer stalled")
+    if ready and (
+        not prior_ready
+        or (prior_ready.get("status"), prior_ready.get("reason")) != (ready.status, ready.reason)
+    ):
+        post(body, "Normal", ready.reason, f"Ready={ready.status}: {ready.message}")
+
+
+def report(
+    post: EventPoster,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    subject: Subject,
+    planned: Planned,
+    deployment: KubeObject | None,
+    now: str,
+) -> None:
+    """Put the changed status fields into `patch` and post the events of the change."""
+    new = desired_status(subject, planned, deployment, now)
+    changes = status_patch(subject.status, new)
+    if not changes:
+        return
+    for key, value in changes.items():
+        patch.status[key] = value
+    STATUS_WRITES.inc()
+    post_state_events(post, body, subject.status, new)

@@ -1,0 +1,36 @@
+"""Per-process state shared by every reconcile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import kopf
+
+from davit_operator.catalog.loader import Catalog
+from davit_operator.kube import KubeClient
+from davit_operator.model_config import ModelConfigSource
+from davit_operator.profiling import ProfileCache
+
+EventPoster = Callable[[kopf.Body, str, str, str], None]  # (body, type, reason, message)
+
+
+def _kopf_event(body: kopf.Body, type: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type, reason=reason, message=message)
+
+
+@dataclass
+class Runtime:
+    """Per-process state shared by the handlers through kopf's memo (kopf copies the operator's
+    memo into each object's memo, so every handler sees the same Runtime). `post_event` is
+    kopf's event poster in the operator and a recorder in tests."""
+
+    catalog: Catalog
+    kube: KubeClient
+    post_event: EventPoster = _kopf_event
+    # Profile engine memory once per identity before replicas start (davit_operator.profiling);
+    # the operator's command line turns it on (--memory-profiling, the default there).
+    profile_memory: bool = False
+    # config.json over HTTP for shapes the catalog lacks (davit_operator.model_config).
+    model_configs: ModelConfigSource | None = None
+    profiles: ProfileCache = field(default_factory=ProfileCache)
