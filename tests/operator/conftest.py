@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from isvc_cluster import OperatorProcess
 
 from davit_operator.api.crdgen import default_crd_path
+from tests.operator.isvc_cluster import OperatorProcess
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_for
-from isvc_helpers import merge
 
 from davit_contract.profile import MemoryProfile
+from tests.operator.isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_for
+from tests.operator.isvc_helpers import merge
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_for
-from isvc_helpers import example_documents, merge
+
+from tests.operator.isvc_cluster import OperatorProcess, apply_yaml, condition, get_json, wait_for
+from tests.operator.isvc_helpers import example_documents, merge
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

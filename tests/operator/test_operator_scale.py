@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from isvc_cluster import OperatorProcess, condition, get_json, wait_for
+
+from tests.operator.isvc_cluster import OperatorProcess, condition, get_json, wait_for
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

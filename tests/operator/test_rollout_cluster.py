@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from isvc_cluster import apply_yaml, wait_for
-from isvc_helpers import merge
+
+from tests.operator.isvc_cluster import apply_yaml, wait_for
+from tests.operator.isvc_helpers import merge
 
 pytestmark = pytest.mark.cluster
 

@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from isvc_helpers import make_spec
 
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.memory import ShapeError, load_shape_catalog, shape_from_config
 from davit_operator.planning.plan import make_plan
+from tests.operator.isvc_helpers import make_spec
 
 # A 34B-class config (not in the catalog): about 68 GB of bf16 weights.
 BIG = {

@@ -8,7 +8,6 @@ from typing import Any
 
 import kopf
 import pytest
-from isvc_helpers import make_spec, spec_dict
 
 from davit_operator.builders.children import children
 from davit_operator.builders.deployment import engine_deployment
@@ -21,6 +20,7 @@ from davit_operator.reconcile.indexes import Indexes
 from davit_operator.reconcile.memo import ObjectMemo
 from davit_operator.reconcile.reconciler import reconcile
 from davit_operator.reconcile.runtime import Runtime
+from tests.operator.isvc_helpers import make_spec, spec_dict
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="uid-1")

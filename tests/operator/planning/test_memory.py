@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from isvc_helpers import make_spec
 
 from davit_contract.profile import MemoryProfile
 from davit_operator.builders.deployment import engine_deployment
@@ -33,10 +32,11 @@ from davit_operator.planning.memory import (
     with_memory,
 )
 from davit_operator.planning.plan import Plan, make_plan
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
 SHAPES = load_shape_catalog()
-PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "profiles"
 OWNER = Owner(name="svc", uid="uid-1")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from isvc_helpers import make_spec
 
 from davit_operator.api.status import InferenceServiceStatus
 from davit_operator.catalog.loader import load_catalog
@@ -14,6 +13,7 @@ from davit_operator.planning.placement import NodeFacts
 from davit_operator.planning.plan import make_plan
 from davit_operator.status.compute import compute_status
 from davit_operator.status.patch import status_fields, status_patch
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"

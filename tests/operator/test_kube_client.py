@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from isvc_cluster import get_json
-from isvc_helpers import make_spec, spec_dict
 
 from davit_operator.builders.digest import with_hash
 from davit_operator.builders.metadata import Owner
@@ -18,6 +16,8 @@ from davit_operator.builders.service import service
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import KubeClient, KubeError, load_credentials, needs_apply
 from davit_operator.planning.plan import make_plan
+from tests.operator.isvc_cluster import get_json
+from tests.operator.isvc_helpers import make_spec, spec_dict
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster

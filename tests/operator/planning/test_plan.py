@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from isvc_helpers import example_documents, make_spec
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog, load_catalog
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.placement import NodeFacts
 from davit_operator.planning.plan import Plan, make_plan
+from tests.operator.isvc_helpers import example_documents, make_spec
 
 CATALOG = load_catalog()
 H200 = {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.present": "true"}

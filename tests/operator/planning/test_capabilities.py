@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import yaml
-from isvc_helpers import make_spec
 
 from davit_engine.engine_flags import (
     SPECULATIVE_METHODS,
@@ -25,6 +24,7 @@ from davit_operator.catalog.loader import Catalog, CatalogError, load_catalog
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.plan import Plan, make_plan
 from davit_operator.status.compute import compute_status
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
 PACKAGED = Path(load_catalog.__code__.co_filename).parent

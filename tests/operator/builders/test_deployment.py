@@ -1,10 +1,9 @@
-"""Rollout children and status: the canary and stable Deployments, drain settings, conditions."""
+"""The engine Deployment: deterministic and owned, on either track, with its revision."""
 
 from __future__ import annotations
 
-from isvc_helpers import make_spec
+from typing import Any
 
-from davit_operator.api.status import InferenceServiceStatus
 from davit_operator.builders.deployment import (
     REVISION_ANNOTATION,
     TRACK_LABEL,
@@ -13,14 +12,68 @@ from davit_operator.builders.deployment import (
 )
 from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
-from davit_operator.planning.plan import make_plan
-from davit_operator.rollout.machine import Decision
-from davit_operator.rollout.status import rollout_status
-from davit_operator.status.patch import status_fields
+from davit_operator.planning.plan import Plan, make_plan
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
-OWNER = Owner(name="svc", uid="u-1")
+OWNER = Owner(name="svc", uid="0b9c5c3e-1111-2222-3333-444455556666")
 INSTANCE = "serving.davit.dev/inferenceservice"
+
+
+def deployment(plan: Plan, owner: Owner) -> dict[str, Any]:
+    """The stable track's Deployment at the plan's replica count."""
+    return engine_deployment(plan, owner, "stable", plan.replicas).manifest
+
+
+def test_deployment_for_davit_on_h200() -> None:
+    plan = make_plan("svc", "ns", make_spec(replicas=3), CATALOG)
+    dep = deployment(plan, OWNER)
+    assert dep["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "serving.davit.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "svc",
+            "uid": OWNER.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["selector"] == {"matchLabels": {"serving.davit.dev/inferenceservice": "svc"}}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    container = pod["containers"][0]
+    assert container["image"] == "ghcr.io/davit-dev/davit-engine:0.1.0-cuda13.0"
+    assert container["command"] == ["davit", "serve"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert (
+        container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"]
+        >= 1800
+    )
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/managed-by"] == "davit-operator"
+    assert deployment(plan, OWNER) == dep, "builders are deterministic"
+
+
+def test_vllm_probes_use_its_health_endpoint() -> None:
+    plan = make_plan("svc", "ns", make_spec(engine={"type": "vllm", "version": "0.33.0"}), CATALOG)
+    container = deployment(plan, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["image"] == "vllm/vllm-openai:v0.33.0rc3"
+
+
+def test_pvc_model_is_mounted_read_only() -> None:
+    spec = make_spec(model={"source": "pvc://weights/qwen3", "revision": None})
+    pod = deployment(make_plan("svc", "ns", spec, CATALOG), OWNER)["spec"]["template"]["spec"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in (pod["volumes"])
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in mounts
 
 
 def test_canary_deployment_sits_inside_the_service_selector_with_its_own() -> None:
@@ -74,43 +127,3 @@ def test_drain_settings_match_the_engine_flag() -> None:
     assert args[args.index("--drain-timeout") + 1] == "45"
     strategy = built["spec"]["strategy"]["rollingUpdate"]
     assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
-
-
-def _decision(condition: tuple[str, str, str], failed: str | None, settled: bool) -> Decision:
-    return Decision(
-        stable_spec_json="{}",
-        stable_replicas=1,
-        stable_paused=False,
-        canary_replicas=0,
-        rollout={
-            "phase": "RolledBack" if failed else "Progressing",
-            "strategy": "Canary",
-            "step": None,
-        },
-        revisions=[],
-        condition=condition,
-        failed=failed,
-        settled=settled,
-    )
-
-
-def test_rollback_stalls_and_keeps_transition_times() -> None:
-    written = {
-        "conditions": [
-            {"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": "",
-             "lastTransitionTime": "T0", "observedGeneration": 3},
-            {"type": "Stalled", "status": "False", "reason": "ReplicasReady", "message": "",
-             "lastTransitionTime": "T0", "observedGeneration": 3},
-        ]
-    }  # fmt: skip
-    computed = InferenceServiceStatus.model_validate(written)
-    decision = _decision(("False", "RolledBack", "revision b AnalysisFailed"), "RolledBack", True)
-    first = status_fields(rollout_status(decision, computed, written, "T1", 3))
-    by_type = {c["type"]: c for c in first["conditions"]}
-    assert (by_type["Stalled"]["status"], by_type["Stalled"]["reason"]) == ("True", "RolledBack")
-    assert by_type["Ready"]["status"] == "False" and by_type["Ready"]["lastTransitionTime"] == "T1"
-    assert by_type["RolloutProgressing"]["message"] == "revision b AnalysisFailed"
-    assert first["rollout"]["step"] is None, "None is sent, so the merge patch removes it"
-    # Recomputed later from the same observation: no transition, no new time.
-    again = status_fields(rollout_status(decision, computed, first, "T2", 3))
-    assert again["conditions"] == first["conditions"]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from isvc_helpers import make_spec
-
 from davit_operator.builders.deployment import engine_deployment
 from davit_operator.builders.digest import DESIRED_HASH_ANNOTATION, with_hash
 from davit_operator.builders.metadata import Owner
 from davit_operator.catalog.loader import load_catalog
 from davit_operator.kube import is_subset, needs_apply
 from davit_operator.planning.plan import make_plan
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
 OWNER = Owner(name="svc", uid="uid-1")

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
-from isvc_cluster import apply_yaml, wait_for
-from isvc_helpers import merge
-from tests.support import unavailable
 
 from davit_operator.rollout.gateway import routes_to, weighted_rules
+from tests.operator.isvc_cluster import apply_yaml, wait_for
+from tests.operator.isvc_helpers import merge
+from tests.support import unavailable
 
 GATEWAY_API = "sigs.k8s.io/gateway-api@v1.3.0"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from isvc_helpers import make_spec
 
 from davit_engine.server.cli import build_parser, parse_args
 from davit_operator.catalog.loader import load_catalog
@@ -17,6 +16,7 @@ from davit_operator.planning.args import engine_invocation
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.plan import make_plan
 from davit_operator.planning.runner import SelectedRunner
+from tests.operator.isvc_helpers import make_spec
 
 CATALOG = load_catalog()
 
