@@ -147,8 +147,11 @@ async def plan_rollout(
     old = dict(status.get("rollout") or {})
     revisions = list(status.get("revisions") or [])
     written = memory.written
-    recent = written is not None and time.monotonic() - written.at < RECENT_STATUS_SECONDS
-    if written is not None and recent and old != written.rollout:
+    if (
+        written is not None
+        and old != written.rollout
+        and time.monotonic() - written.at < RECENT_STATUS_SECONDS
+    ):
         old, revisions = dict(written.rollout), list(written.revisions)
     template = pod_template(plan)
     target = _target(plan, template.revision)
