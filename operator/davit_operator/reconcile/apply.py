@@ -38,6 +38,15 @@ class Applied:
     writes: list[str]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What the report describes: the plan as it stands after the writes (a child the API
+    server refused turns it into a refusal) and the live stable Deployment."""
+
+    planned: Planned
+    deployment: KubeObject | None
+
+
 def _hash_of(obj: KubeObject | None) -> str | None:
     if obj is None:
         return None
@@ -107,14 +116,12 @@ async def apply_planned(
     planned: Planned,
     indexes: Indexes,
     memo: ObjectMemo,
-) -> tuple[Planned, KubeObject | None]:
-    """Carry out the rollout's effects and apply the children, posting an event per write.
-    Returns the plan as it stands after the writes (a child the API server refused turns it
-    into a refusal) and the live stable Deployment."""
+) -> Outcome:
+    """Carry out the rollout's effects and apply the children, posting an event per write."""
     deployment = indexes.named("Deployment", subject.key, subject.name)
     rollout = planned.rollout
     if planned.plan is None or rollout is None:
-        return planned, deployment
+        return Outcome(planned, deployment)
     try:
         effects = await apply_rollout_effects(runtime.kube, subject.namespace, rollout)
         if effects:
@@ -132,9 +139,9 @@ async def apply_planned(
     except KubeError as exc:
         if exc.is_temporary:
             raise
-        return replace(planned, plan=None, error=child_rejected(exc)), deployment
+        return Outcome(replace(planned, plan=None, error=child_rejected(exc)), deployment)
     if applied.writes:
         runtime.post_event(
             body, "Normal", "Applied", f"{', '.join(applied.writes)} ({subject.name})"
         )
-    return planned, applied.deployment
+    return Outcome(planned, applied.deployment)

@@ -44,13 +44,11 @@ async def reconcile(
     async with memo.lock:
         try:
             planned = await plan_object(runtime, body, subject, indexes, memo)
-            planned, deployment = await apply_planned(
-                runtime, body, subject, planned, indexes, memo
-            )
-            if planned.error is not None:
+            outcome = await apply_planned(runtime, body, subject, planned, indexes, memo)
+            if outcome.planned.error is not None:
                 result = "stalled"
                 RECONCILE_ERRORS.labels(kind="spec").inc()
-            report(runtime.post_event, body, patch, subject, planned, deployment, _now())
+            report(runtime.post_event, body, patch, subject, outcome, _now())
         except KubeError as exc:
             result = "retry"
             RECONCILE_ERRORS.labels(kind="api").inc()

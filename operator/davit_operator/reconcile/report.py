@@ -14,22 +14,21 @@ import kopf
 
 from davit_operator.api.status import READY, STALLED, InferenceServiceStatus
 from davit_operator.metrics import STATUS_WRITES
-from davit_operator.reconcile.indexes import KubeObject
-from davit_operator.reconcile.plan import Planned, Subject
+from davit_operator.reconcile.apply import Outcome
+from davit_operator.reconcile.plan import Subject
 from davit_operator.reconcile.runtime import EventPoster
 from davit_operator.rollout.status import rollout_status
 from davit_operator.status.compute import compute_status
 from davit_operator.status.patch import status_patch
 
 
-def desired_status(
-    subject: Subject, planned: Planned, deployment: KubeObject | None, now: str
-) -> InferenceServiceStatus:
+def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceServiceStatus:
     """The status this reconcile owns, computed from what it planned and observed."""
+    planned = outcome.planned
     status = compute_status(
         plan=planned.plan,
         error=planned.error,
-        deployment=deployment,
+        deployment=outcome.deployment,
         old_status=subject.status,
         generation=subject.generation,
         now=now,
@@ -71,12 +70,11 @@ def report(
     body: kopf.Body,
     patch: kopf.Patch,
     subject: Subject,
-    planned: Planned,
-    deployment: KubeObject | None,
+    outcome: Outcome,
     now: str,
 ) -> None:
     """Put the changed status fields into `patch` and post the events of the change."""
-    new = desired_status(subject, planned, deployment, now)
+    new = desired_status(subject, outcome, now)
     changes = status_patch(subject.status, new)
     if not changes:
         return
