@@ -1,8 +1,8 @@
 """Thin kopf handlers: register the triggers, indexes and settings; `reconcile` does the work.
 
 Every trigger (create, update, resume, and the periodic drift timer) runs the same level-based
-`reconcile.reconciler.reconcile`. Indexes over the operator's Deployments, Services, PodDisruptionBudgets
-and the cluster's Nodes give it live state without API requests.
+`reconcile.reconciler.reconcile`. Indexes over the operator's Deployments, Services,
+PodDisruptionBudgets and the cluster's Nodes give it live state without API requests.
 """
 
 from __future__ import annotations
