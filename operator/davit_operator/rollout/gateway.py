@@ -2,8 +2,8 @@
 
 The user owns the HTTPRoute (its parents, matches and filters); the operator only rewrites the
 `backendRefs` of the rules that point at this InferenceService (its Service, or the per-track
-Services of `builders.service`), to the stable and canary Services with the step's weights. Pods carry a track label
-(`stable` or `canary`), so each Service selects one side.
+Services of `builders.service`), to the stable and canary Services with the step's weights.
+Pods carry a track label (`stable` or `canary`), so each Service selects one side.
 """
 
 from __future__ import annotations
