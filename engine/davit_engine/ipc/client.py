@@ -23,6 +23,7 @@ from typing import Any
 
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY, run_engine_core
+from davit_engine.ipc.errors import AdmissionError, EngineDeadError
 from davit_engine.ipc.framing import MessageReader
 from davit_engine.ipc.messages import (
     AbortRequests,
@@ -42,18 +43,6 @@ from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.types import EngineRequest, EngineStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is not running (failed to start, crashed or shut down)."""
-
-
-class AdmissionError(Exception):
-    """The core refused a request; `rejection` says why (see `messages.Rejected`)."""
-
-    def __init__(self, rejection: Rejected) -> None:
-        super().__init__(rejection.message)
-        self.rejection = rejection
 
 
 class AsyncEngineClient:

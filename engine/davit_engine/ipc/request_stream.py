@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
+from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.types import RequestDelta
-
-if TYPE_CHECKING:
-    from davit_engine.ipc.client import EngineDeadError
 
 
 class RequestStream:

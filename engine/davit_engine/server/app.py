@@ -17,8 +17,9 @@ from fastapi import FastAPI
 
 import davit_engine
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import AsyncEngineClient, EngineDeadError
+from davit_engine.ipc.client import AsyncEngineClient
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY
+from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.server.errors import install_error_handlers
 from davit_engine.server.metrics import HTTPStatusMiddleware
 from davit_engine.server.routes import chat, completions, ops

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from davit_engine.ipc.client import AdmissionError, EngineDeadError
+from davit_engine.ipc.errors import AdmissionError, EngineDeadError
 from davit_engine.ipc.messages import merge_deltas
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import EngineDeadError
+from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.generation import Generation

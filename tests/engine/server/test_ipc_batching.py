@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from davit_engine.config import EngineConfig
-from davit_engine.ipc.client import EngineDeadError
 from davit_engine.ipc.core_process import CoreLoop
+from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.ipc.framing import MessageReader, write_message
 from davit_engine.ipc.messages import AddRequest, Admitted, Deltas, Shutdown, merge_deltas
 from davit_engine.ipc.output_sender import OutputSender

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from davit_engine.ipc.client import EngineDeadError
+from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.server.errors import OpenAIError, error_response
 from davit_engine.server.protocol import ModelCard, ModelList
 from davit_engine.server.routes.common import get_state
