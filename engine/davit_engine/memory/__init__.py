@@ -1,20 +1,3 @@
-"""Startup memory profiling and the profile it produces.
-
-`profile` (plain data, no torch) is what the operator reads; `profiler` measures a runner.
-"""
-
-from davit_contract.profile import (
-    SCHEMA_VERSION,
-    MemoryBreakdown,
-    MemoryProfile,
-    ProfileFormatError,
-    ProfileIdentity,
-)
-
-__all__ = [
-    "SCHEMA_VERSION",
-    "MemoryBreakdown",
-    "MemoryProfile",
-    "ProfileFormatError",
-    "ProfileIdentity",
-]
+"""Startup memory measurement below the runners: the CUDA allocator's serving configuration and
+the profiler that sizes the KV cache from probes each runner brings (the profile document it
+produces is `davit_contract.profile`)."""

@@ -9,7 +9,7 @@ Called from the runners' `determine_num_blocks()`, after the weights are loaded:
      `max_num_seqs` rows with top-k and top-p active (the whole-row search path), inside one
      peak window. The dummy forward's own small KV cache stays in the figure: the sampler that
      follows reuses its freed blocks, so subtracting it would under-count;
-   - (runner V2) real runner steps against a probe KV cache (`step_probe`): a full prefill
+   - (runner V2) real runner steps against a probe KV cache (`runner/v2/step_probe.py`): a full prefill
      chunk, a mixed step of `max_num_batched_tokens` tokens with `max_num_seqs` sampled rows,
      and a decode of every row, so the allocator keeps blocks of every size a real run
      caches side by side;
@@ -43,7 +43,7 @@ from davit_contract.profile import (
     MemoryProfile,
     ProfileIdentity,
 )
-from davit_engine.types import ParamError, SamplingParams
+from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +51,20 @@ logger = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 2 << 30
 IMAGE_DIGEST_ENV = "DAVIT_IMAGE_DIGEST"
 MODEL_REVISION_ENV = "DAVIT_MODEL_REVISION"
-# Sampling parameters of the sampler probe: the filtered (whole-row search) path.
-_PROBE_TOP_K = 50
-_PROBE_TOP_P = 0.9
 
 
 def size_kv_cache(
     runner: Any,
     dummy_forward: Callable[[int], None],
+    probe_sampler: Callable[[], None],
     probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None = None,
     probe_steps: Callable[[], int] | None = None,
 ) -> MemoryProfile:
     """Profile `runner` (a RunnerV1 or RunnerV2 with weights loaded, no KV cache yet).
 
-    `dummy_forward(n)` runs one forward over n tokens; `probe_steps()` (runner V2) runs real
+    The runner brings its own probes, so this module never imports a runner:
+    `dummy_forward(n)` runs one forward over n tokens; `probe_sampler()` runs the runner's
+    sampler over `max_num_seqs` rows with top-k and top-p on; `probe_steps()` (runner V2) runs real
     steps against a probe KV cache and returns their activation peak in bytes (see
     `PeakWindow`); `probe_graphs()` (CUDA graphs on) returns (runner buffer bytes, graph pool
     bytes, captured batch sizes). Both probes leave nothing allocated. The activation peak is
@@ -79,9 +79,9 @@ def size_kv_cache(
         breakdown = _unmeasured(runner, block_bytes, config.num_gpu_blocks, max_model_len)
         return MemoryProfile(identity=_identity(runner, max_model_len), memory=breakdown)
     if runner.device.type == "cuda":
-        measured = _measure_cuda(runner, dummy_forward, probe_graphs, probe_steps)
+        measured = _measure_cuda(runner, dummy_forward, probe_sampler, probe_graphs, probe_steps)
     else:
-        measured = _measure_cpu(runner, dummy_forward, probe_steps)
+        measured = _measure_cpu(runner, dummy_forward, probe_sampler, probe_steps)
     (method, total, weights, activation, graphs, buffers, non_torch, sizes) = measured
     budget = int(total * config.gpu_memory_utilization)
     used = weights + activation + graphs + buffers + non_torch
@@ -180,43 +180,6 @@ def _parameter_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _run_sampler_probe(runner: Any) -> None:
-    """The sampler over max_num_seqs rows with top-k/top-p on (and logprobs when allowed)."""
-    config = runner.config
-    rows, vocab = config.max_num_seqs, runner.model_config.vocab_size
-    device = runner.device
-    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device)  # [B, V]
-    with torch.inference_mode():
-        if device.type == "cuda" and not hasattr(runner, "sampler"):
-            from davit_engine.kernels.sampling import SamplingTable, sample
-
-            table = SamplingTable(
-                temperature=torch.ones(rows, dtype=torch.float32, device=device),
-                top_k=torch.full((rows,), _PROBE_TOP_K, dtype=torch.int32, device=device),
-                top_p=torch.full((rows,), _PROBE_TOP_P, dtype=torch.float32, device=device),
-                min_p=torch.zeros(rows, dtype=torch.float32, device=device),
-                seed=torch.zeros(rows, dtype=torch.int32, device=device),
-            )
-            slots = torch.arange(rows, dtype=torch.int32, device=device)
-            if config.max_logprobs > 0:
-                torch.log_softmax(logits, dim=-1)
-            sample(logits, slots, slots, table)
-            return
-        from davit_engine.core.batch import ScheduledRequest
-        from davit_engine.runner.sampler import Sampler
-
-        sampler = getattr(runner, "sampler", None) or Sampler(runner.model_config.eos_token_ids)
-        params = SamplingParams(
-            top_k=_PROBE_TOP_K,
-            top_p=_PROBE_TOP_P,
-            logprobs=min(config.max_logprobs, 20) or None,
-        )
-        requests = [
-            ScheduledRequest(f"probe-{i}", [0], 1, 0, 1, [], params, True) for i in range(rows)
-        ]
-        sampler.sample(logits, requests)
-
-
 class PeakWindow:
     """Peak memory above the level at `start()`: torch's reserved memory on CUDA (what the
     caching allocator keeps, freed blocks included), the resident set on the CPU.
@@ -248,13 +211,16 @@ class PeakWindow:
 
 
 def _activation_peak(
-    runner: Any, dummy_forward: Callable[[int], None], probe_steps: Callable[[], int] | None
+    runner: Any,
+    dummy_forward: Callable[[int], None],
+    probe_sampler: Callable[[], None],
+    probe_steps: Callable[[], int] | None,
 ) -> tuple[int, bool]:
     """(the larger activation peak, whether the resident-set peak could be reset)."""
     window = PeakWindow(runner.device)
     reset = window.start()
     dummy_forward(runner.config.max_num_batched_tokens)
-    _run_sampler_probe(runner)
+    probe_sampler()
     dummy = window.peak_bytes()
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -270,6 +236,7 @@ def _activation_peak(
 def _measure_cuda(
     runner: Any,
     dummy_forward: Callable[[int], None],
+    probe_sampler: Callable[[], None],
     probe_graphs: Callable[[], tuple[int, int, tuple[int, ...]]] | None,
     probe_steps: Callable[[], int] | None,
 ) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
@@ -277,7 +244,7 @@ def _measure_cuda(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_reserved(device)
-    activation, _ = _activation_peak(runner, dummy_forward, probe_steps)
+    activation, _ = _activation_peak(runner, dummy_forward, probe_sampler, probe_steps)
     torch.cuda.empty_cache()
     buffers, graphs, sizes = probe_graphs() if probe_graphs is not None else (0, 0, ())
     torch.cuda.synchronize(device)
@@ -315,11 +282,14 @@ def _cpu_total_bytes() -> int:
 
 
 def _measure_cpu(
-    runner: Any, dummy_forward: Callable[[int], None], probe_steps: Callable[[], int] | None
+    runner: Any,
+    dummy_forward: Callable[[int], None],
+    probe_sampler: Callable[[], None],
+    probe_steps: Callable[[], int] | None,
 ) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
     weights = _parameter_bytes(runner.model)
     rss_before = _status_kib("VmRSS")
-    activation, reset = _activation_peak(runner, dummy_forward, probe_steps)
+    activation, reset = _activation_peak(runner, dummy_forward, probe_sampler, probe_steps)
     method = "cpu-rss" if reset else "cpu-rss-unreset"
     non_torch = max(0, rss_before - weights)
     return (method, _cpu_total_bytes(), weights, activation, 0, 0, non_torch, ())

@@ -1,4 +1,5 @@
-"""The paged KV-cache tensors and the dummy prefill used to measure memory; shared by runners."""
+"""The paged KV-cache tensors and the memory probes (dummy prefill, sampler) that the memory
+profiler runs; shared by runners."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import torch
 
 from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
+from davit_engine.core.batch import ScheduledRequest
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata
 from davit_engine.loader import LoadedModel, ModelConfig
 from davit_engine.models.llama import LlamaForCausalLM
 from davit_engine.runner.base import ModelRunner
+from davit_engine.runner.sampler import Sampler
+from davit_engine.types import SamplingParams
+
+# Sampling of the memory probes' requests: the filtered (whole-row search) path.
+PROBE_TOP_K = 50
+PROBE_TOP_P = 0.9
 
 
 def allocate_kv_caches(
@@ -56,8 +64,8 @@ def dummy_prefill(
 
 class PagedKvRunner(ModelRunner):
     """What runner V1 and runner V2 share about their paged KV cache: the loaded model and its
-    attention backend, the size of one block and the dummy prefill the memory profiler
-    measures."""
+    attention backend, the size of one block, and the dummy prefill and sampler probe the
+    memory profiler measures."""
 
     def __init__(
         self,
@@ -96,3 +104,26 @@ class PagedKvRunner(ModelRunner):
             self.dtype,
             self.device,
         )
+
+    def _probe_sampler(self) -> None:
+        """The sampler over `max_num_seqs` rows of random logits with top-k and top-p on (and
+        logprobs when allowed): the sampling share of the activation peak."""
+        rows, vocab = self.config.max_num_seqs, self.model_config.vocab_size
+        logits = torch.randn(rows, vocab, dtype=torch.float32, device=self.device)  # [B, V]
+        with torch.inference_mode():
+            self._sample_probe_rows(logits)
+
+    def _sample_probe_rows(self, logits: torch.Tensor) -> None:
+        """Sample `logits` [B, V] as the probe does; here with the torch sampler (runner V1's
+        own, or one like it)."""
+        sampler = getattr(self, "sampler", None) or Sampler(self.model_config.eos_token_ids)
+        params = SamplingParams(
+            top_k=PROBE_TOP_K,
+            top_p=PROBE_TOP_P,
+            logprobs=min(self.config.max_logprobs, 20) or None,
+        )
+        requests = [
+            ScheduledRequest(f"probe-{i}", [0], 1, 0, 1, [], params, True)
+            for i in range(logits.shape[0])
+        ]
+        sampler.sample(logits, requests)

@@ -46,7 +46,7 @@ class RunnerV1(PagedKvRunner):
 
     def determine_num_blocks(self) -> int:
         """Measured by `davit_engine.memory` (RSS on the CPU); the profile is kept."""
-        self.memory_profile = size_kv_cache(self, self._dummy_prefill)
+        self.memory_profile = size_kv_cache(self, self._dummy_prefill, self._probe_sampler)
         return self.memory_profile.memory.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

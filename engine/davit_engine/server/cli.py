@@ -28,8 +28,8 @@ from davit_engine.engine_flags import (
     check_speculative_config,
 )
 from davit_engine.loader.hf_cache import repo_id_of, resolve_snapshot
-from davit_engine.memory.profile_only import default_output, profile_only
 from davit_engine.server.app import create_app
+from davit_engine.server.profile_only import default_output, profile_only
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.types import ParamError
 

@@ -12,8 +12,8 @@ import pytest
 from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.engine_core import EngineCore
-from davit_engine.memory import profile_only
 from davit_engine.memory.profiler import CPU_KV_CAP_BYTES
+from davit_engine.server import profile_only
 from davit_engine.types import ParamError
 
 TINY = "random:qwen3-tiny"

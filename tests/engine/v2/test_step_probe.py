@@ -15,11 +15,11 @@ from davit_engine.config import EngineConfig
 from davit_engine.core.batch import SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.loader import load_model
-from davit_engine.memory import step_probe
 from davit_engine.memory.profiler import PeakWindow
-from davit_engine.memory.step_probe import PROBE_TOP_K, PROBE_TOP_P, plan_probe_requests
-from davit_engine.runner.v2 import RunnerV2
+from davit_engine.runner.paged_kv import PROBE_TOP_K, PROBE_TOP_P
+from davit_engine.runner.v2 import RunnerV2, step_probe
 from davit_engine.runner.v2.pending import PendingStep
+from davit_engine.runner.v2.step_probe import plan_probe_requests
 from davit_engine.types import EngineRequest, SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -24,16 +24,23 @@ from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOut
 from davit_engine.kernels.attention_backend import NUM_KV_SPLITS_KEY, TritonPagedAttention
 from davit_engine.kernels.input_prep import InputBuffers, prepare_inputs
 from davit_engine.kernels.paged_attention import default_num_splits
+from davit_engine.kernels.sampling import SamplingTable, sample
 from davit_engine.layers.attention import AttentionMetadata
 from davit_engine.loader import LoadedModel
 from davit_engine.memory.profiler import size_kv_cache
-from davit_engine.memory.step_probe import StepProbe, probe_v2_steps
-from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
+from davit_engine.runner.paged_kv import (
+    PROBE_TOP_K,
+    PROBE_TOP_P,
+    PagedKvRunner,
+    allocate_kv_caches,
+)
 from davit_engine.runner.v2.fused_layers import install_fused_layers
+from davit_engine.runner.v2.graph_probe import probe_v2_graphs
 from davit_engine.runner.v2.graphs import DecodeGraphs
 from davit_engine.runner.v2.pending import PendingStep
 from davit_engine.runner.v2.sampler import sample_step
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
+from davit_engine.runner.v2.step_probe import StepProbe, probe_v2_steps
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +85,37 @@ class RunnerV2(PagedKvRunner):
         graphs included; the profile and the probe steps are kept."""
         probe = None
         if self.use_graphs:
-            from davit_engine.memory.graph_probe import probe_v2_graphs
 
             def probe() -> tuple[int, int, tuple[int, ...]]:
                 return probe_v2_graphs(self)
 
-        self.memory_profile = size_kv_cache(self, self._dummy_prefill, probe, self._probe_steps)
+        self.memory_profile = size_kv_cache(
+            self, self._dummy_prefill, self._probe_sampler, probe, self._probe_steps
+        )
         return self.memory_profile.memory.num_blocks
 
     def _probe_steps(self) -> int:
         self.step_probe = probe_v2_steps(self)
         return self.step_probe.peak_bytes
+
+    def _sample_probe_rows(self, logits: torch.Tensor) -> None:
+        """On CUDA, the sampling kernel that steps use (the torch sampler elsewhere), with the
+        logprobs' log-softmax when the engine allows logprobs."""
+        if self.device.type != "cuda":
+            super()._sample_probe_rows(logits)
+            return
+        rows, device = logits.shape[0], self.device
+        table = SamplingTable(
+            temperature=torch.ones(rows, dtype=torch.float32, device=device),
+            top_k=torch.full((rows,), PROBE_TOP_K, dtype=torch.int32, device=device),
+            top_p=torch.full((rows,), PROBE_TOP_P, dtype=torch.float32, device=device),
+            min_p=torch.zeros(rows, dtype=torch.float32, device=device),
+            seed=torch.zeros(rows, dtype=torch.int32, device=device),
+        )
+        slots = torch.arange(rows, dtype=torch.int32, device=device)
+        if self.config.max_logprobs > 0:
+            torch.log_softmax(logits, dim=-1)
+        sample(logits, slots, slots, table)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config

@@ -1,8 +1,9 @@
 """`davit serve MODEL ... --profile-only`: build the engine core, print its memory profile, exit.
 
-No HTTP server starts. The profile goes to stdout (one JSON line) and to `--profile-output`:
-by default `/dev/termination-log` when it exists and is writable, so a Kubernetes Job's pod
-carries the profile in its termination message for the operator to read.
+A whole-engine mode of `davit serve` (it builds the engine core in this process), so it lives
+beside the serve entry point. No HTTP server starts. The profile goes to stdout (one JSON line)
+and to `--profile-output`: by default `/dev/termination-log` when it exists and is writable, so
+a Kubernetes Job's pod carries the profile in its termination message for the operator to read.
 """
 
 from __future__ import annotations

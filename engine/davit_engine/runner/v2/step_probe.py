@@ -31,11 +31,9 @@ import torch
 
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.memory.profiler import PeakWindow
+from davit_engine.runner.paged_kv import PROBE_TOP_K, PROBE_TOP_P
 from davit_engine.types import EngineRequest, SamplingParams
 
-# Sampling of the probe requests: the filtered (whole-row search) path.
-PROBE_TOP_K = 50
-PROBE_TOP_P = 0.9
 _MAX_OUTPUT_TOKENS = 2  # one sampled at the end of the prefill, one by the decode step
 
 
