@@ -1,8 +1,9 @@
 """Offline Python API: `LLM(model, **engine flags).generate(prompts, SamplingParams(...))`.
 
-Runs an `EngineCore` in this process and does the front end's text work itself: tokenization,
-chat templates, incremental detokenization and stop strings (a request whose text hits a stop
-string is aborted in the core so its KV blocks are freed at once).
+Runs an `EngineCore` in this process and does the front end's text work itself: tokenization and
+chat templates here, detokenization, stop strings and finish reasons in the output processor the
+HTTP server uses too (a request whose text hits a stop string is aborted in the core so its KV
+blocks are freed at once).
 """
 
 from __future__ import annotations
@@ -10,22 +11,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import QueueFullError
-from davit_engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from davit_engine.engine_core import EngineCore
+from davit_engine.output.processor import OutputProcessor
 from davit_engine.tokenizer import Tokenizer, load_tokenizer
-from davit_engine.types import (
-    EngineRequest,
-    FinishReason,
-    ParamError,
-    RequestDelta,
-    SamplingParams,
-    TokenLogprob,
-)
+from davit_engine.types import EngineRequest, ParamError, SamplingParams, TokenLogprob
 
 PromptInput = str | list[str] | list[list[int]]
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
@@ -42,21 +36,6 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-
-
-@dataclass
-class _Tracked:
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -120,48 +99,43 @@ class LLM:
                     "params",
                     f"got {len(per_prompt)} SamplingParams for {len(token_lists)} prompts",
                 )
-        tracked: dict[str, _Tracked] = {}
+        # One output processor per request, in prompt order (the server uses the same one).
+        outputs: dict[str, OutputProcessor] = {}
         pending: list[EngineRequest] = []
-        for i, (ids, p) in enumerate(zip(token_lists, per_prompt, strict=True)):
+        for ids, p in zip(token_lists, per_prompt, strict=True):
             request_id = f"llm-{next(self._ids)}"
             pending.append(
                 EngineRequest(request_id, ids, p, eos_token_ids=self.tokenizer.eos_token_ids)
             )
-            tracked[request_id] = _Tracked(
-                index=i,
-                prompt_token_ids=ids,
-                params=p,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens),
-                stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
-            )
-        unfinished = set(tracked)
+            outputs[request_id] = OutputProcessor(self.tokenizer, ids, p, logprob_text=False)
+        unfinished = set(outputs)
         try:
             while unfinished:
                 pending = self._admit(pending)
                 for delta in self.core.step():
-                    state = tracked.get(delta.request_id)
-                    if state is None or state.finish_reason is not None:
+                    output = outputs.get(delta.request_id)
+                    if output is None or output.finished:
                         continue  # the ABORT echo of a request stopped by a stop string
-                    if self._apply(state, delta):
+                    output.process(delta)
+                    if output.finished:
                         unfinished.discard(delta.request_id)
-                        if delta.finish_reason is None:
+                        if not delta.finished:  # a stop string: the core would go on
                             self.core.abort_requests([delta.request_id])
         except BaseException:
             self.core.abort_requests(unfinished)
             raise
         self._drain()
-        ordered = sorted(tracked.values(), key=lambda s: s.index)
         return [
             CompletionOutput(
-                prompt_token_ids=s.prompt_token_ids,
-                text=s.text,
-                token_ids=s.token_ids,
-                finish_reason=s.finish_reason,
-                logprobs=s.logprobs if s.params.logprobs is not None else None,
-                num_cached_tokens=s.num_cached_tokens,
-                stop_reason=s.stop_reason,
+                prompt_token_ids=o.prompt_token_ids,
+                text=o.text,
+                token_ids=o.token_ids,
+                finish_reason=o.finish_reason,
+                logprobs=o.logprobs if o.sampling.logprobs is not None else None,
+                num_cached_tokens=o.num_cached_tokens,
+                stop_reason=o.stop_reason,
             )
-            for s in ordered
+            for o in outputs.values()
         ]
 
     def _admit(self, pending: list[EngineRequest]) -> list[EngineRequest]:
@@ -172,29 +146,6 @@ class LLM:
             except QueueFullError:
                 return pending[i:]
         return []
-
-    def _apply(self, state: _Tracked, delta: RequestDelta) -> bool:
-        """Fold one delta into `state`; True when the request is done (text-wise or core-wise)."""
-        state.token_ids.extend(delta.new_token_ids)
-        state.num_cached_tokens = delta.num_cached_tokens
-        if delta.logprobs:
-            state.logprobs.extend(delta.logprobs)
-        text = state.detokenizer.push(delta.new_token_ids)
-        if delta.finished:
-            text += state.detokenizer.finish()
-        emitted, stopped = state.stops.feed(text)
-        state.text += emitted
-        if stopped:
-            state.finish_reason = FinishReason.STOP.value
-            state.stop_reason = state.stops.matched
-            return True
-        if delta.finished:
-            state.text += state.stops.flush()
-            assert delta.finish_reason is not None
-            state.finish_reason = delta.finish_reason.value
-            state.stop_reason = delta.stop_token_id
-            return True
-        return False
 
     def _drain(self) -> None:
         """Collect the ABORT deltas of requests stopped by stop strings."""

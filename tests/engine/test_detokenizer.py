@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from davit_engine.config import EngineConfig
-from davit_engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from davit_engine.output.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from davit_engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "Grüße 👋🏽 from 東京, naïve café ✓"

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from davit_engine.ipc.errors import AdmissionError, EngineDeadError
 from davit_engine.ipc.messages import merge_deltas
 from davit_engine.ipc.request_stream import RequestStream
+from davit_engine.output.processor import OutputPiece, OutputProcessor
 from davit_engine.server.errors import OpenAIError
-from davit_engine.server.output import OutputPiece, RequestOutput
 from davit_engine.types import EngineRequest, RequestDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class Generation:
         state: ServerState,
         request_id: str,
         stream: RequestStream,
-        output: RequestOutput,
+        output: OutputProcessor,
         arrival: float,
         index: int = 0,
         prompt_index: int = 0,
@@ -120,7 +120,7 @@ async def admit(
     state.check_accepting()
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.monotonic()
-    output = RequestOutput(state.tokenizer, prompt_token_ids, sampling)
+    output = OutputProcessor(state.tokenizer, prompt_token_ids, sampling)
     request = EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,

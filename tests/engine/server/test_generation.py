@@ -10,9 +10,9 @@ import pytest
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.ipc.request_stream import RequestStream
+from davit_engine.output.processor import OutputProcessor
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.generation import Generation
-from davit_engine.server.output import RequestOutput
 from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.tokenizer import ByteTokenizer
 from davit_engine.types import FinishReason, RequestDelta, SamplingParams
@@ -49,7 +49,7 @@ def make_generation(
         else:
             stream.put(item)
     tokenizer = ByteTokenizer(512, None, (257,))
-    output = RequestOutput(tokenizer, list(b"hi"), sampling)
+    output = OutputProcessor(tokenizer, list(b"hi"), sampling)
     return Generation(state, "r1", stream, output, 0.0), client
 
 

@@ -19,9 +19,9 @@ import pytest
 
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.request_stream import RequestStream
+from davit_engine.output.processor import OutputProcessor
 from davit_engine.server.app import create_app
 from davit_engine.server.generation import Choices, Generation
-from davit_engine.server.output import RequestOutput
 from davit_engine.server.protocol import (
     ChatCompletionChunk,
     CompletionResponse,
@@ -102,7 +102,7 @@ def generation_with(
     state = ServerState(EngineConfig(model="m"), ServerSettings(), client, None)  # type: ignore[arg-type]
     state.begin_request()
     stream = RequestStream(f"r{index}")
-    output = RequestOutput(ByteTokenizer(512, None, (257,)), list(b"hi"), sampling)
+    output = OutputProcessor(ByteTokenizer(512, None, (257,)), list(b"hi"), sampling)
     return Generation(state, f"r{index}", stream, output, 0.0, index), stream, state
 
 

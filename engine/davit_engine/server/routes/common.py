@@ -15,9 +15,9 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
+from davit_engine.output.processor import LogprobEntry
 from davit_engine.server.errors import OpenAIError, error_payload
 from davit_engine.server.generation import Choices
-from davit_engine.server.output import LogprobEntry
 from davit_engine.server.protocol import PromptTokensDetails, Usage
 from davit_engine.server.state import ServerState
 
@@ -146,12 +146,12 @@ async def respond_when_finished(
     JSON; 499 (and the generations aborted) when the client leaves first."""
 
     async def collect() -> BaseModel:
-        texts: dict[int, list[str]] = {g.index: [] for g in choices.generations}
         entries: dict[int, list[LogprobEntry]] = {g.index: [] for g in choices.generations}
         async for generation, piece in choices.pieces():
-            texts[generation.index].append(piece.text)
             entries[generation.index].extend(piece.logprobs)
-        return build({i: Finished("".join(texts[i]), entries[i]) for i in texts})
+        return build(
+            {g.index: Finished(g.output.text, entries[g.index]) for g in choices.generations}
+        )
 
     result = await collect_unless_disconnected(request, choices, collect)
     if result is None:

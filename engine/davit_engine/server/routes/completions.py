@@ -7,8 +7,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from davit_engine.output.processor import LogprobEntry
 from davit_engine.server.generation import Choices, admit_choices
-from davit_engine.server.output import LogprobEntry
 from davit_engine.server.prompts import completion_prompts
 from davit_engine.server.protocol import (
     CompletionChoice,
