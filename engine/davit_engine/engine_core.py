@@ -21,7 +21,7 @@ from davit_engine.engine_flags import load_logits_processors
 from davit_engine.loader import load_model
 from davit_engine.memory.allocator import configure_cuda_allocator
 from davit_engine.runner.base import ModelRunner
-from davit_engine.runner.sampler import check_logits_processors
+from davit_engine.runner.capability import check_request
 from davit_engine.runner.select import create_runner, resolve_device, select_runner
 from davit_engine.step_pipeline import StepPipeline
 from davit_engine.types import (
@@ -129,7 +129,13 @@ class EngineCore:
         )
 
     def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue a tokenized request (ParamError / QueueFullError on refusal)."""
+        """Validate and queue a tokenized request (ParamError / QueueFullError on refusal).
+
+        Every request is checked here, whoever sends it (the API process, the offline `LLM`,
+        a benchmark): its sampling parameters (`SamplingParams.validate`, the same validation
+        the API process reports under the client's names), what the runner can run
+        (`runner.capability`), and the scheduler's limits.
+        """
         if self.config.logits_processors:  # --logits-processors apply to every request
             names = self.config.logits_processors + tuple(
                 n for n in req.sampling.logits_processors if n not in self.config.logits_processors
@@ -138,24 +144,8 @@ class EngineCore:
                 req, sampling=dataclasses.replace(req.sampling, logits_processors=names)
             )
         req.sampling.validate(self.config.max_logprobs)
-        if req.sampling.prompt_logprobs is not None:
-            # RunnerOutput has no field for per-prompt-token logprobs yet.
-            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported by this engine")
-        if req.sampling.logits_processors:
-            if self.model_info.runner != "v1":
-                raise ParamError(
-                    "logits_processors", "custom logits processors need the engine's --runner v1"
-                )
-            check_logits_processors(req.sampling.logits_processors)
-        vocab = self.model_info.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad_stop = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad_stop is not None:
-            raise ParamError(
-                "stop_token_ids", f"token id {bad_stop} is outside the vocabulary [0, {vocab})"
-            )
+        info = self.model_info
+        check_request(info.runner, info.vocab_size, req.prompt_token_ids, req.sampling)
         if not req.eos_token_ids:
             req = dataclasses.replace(req, eos_token_ids=self.model_info.eos_token_ids)
         self.scheduler.add_request(req)

@@ -15,7 +15,7 @@ import torch
 from davit_engine.config import EngineConfig
 from davit_engine.loader import LoadedModel
 from davit_engine.runner.base import ModelRunner
-from davit_engine.runner.sampler import registered_logits_processors
+from davit_engine.runner.capability import v1_only_features
 from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
@@ -41,16 +41,6 @@ def _v2_available() -> bool:
         logger.warning("runner V2 cannot be imported: %s", exc)
         return False
     return hasattr(module, "RunnerV2")
-
-
-def v1_only_features() -> list[str]:
-    """Features in use that only runner V1 implements."""
-    features = []
-    registered = registered_logits_processors()
-    if registered:
-        names = ", ".join(registered)
-        features.append(f"custom logits processors ({names})")
-    return features
 
 
 def select_runner(config: EngineConfig, device: torch.device) -> tuple[str, str]:

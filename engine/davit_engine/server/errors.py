@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from davit_engine.server.protocol import error_body
+from davit_engine.types import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,13 @@ async def _openai_error_handler(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, exc.message, exc.param, exc.headers)
 
 
+async def _param_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """A refusal naming a field (the protocol checks, sampling parameters, a prompt the
+    tokenizer or chat template refuses) is the client's to fix: 400 naming the field."""
+    assert isinstance(exc, ParamError)
+    return error_response(400, exc.message, exc.param)
+
+
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI answers 422 for these; OpenAI clients expect 400 naming the field."""
     assert isinstance(exc, RequestValidationError)
@@ -135,6 +143,7 @@ async def _internal_error_handler(request: Request, exc: Exception) -> JSONRespo
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error_handler)
+    app.add_exception_handler(ParamError, _param_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from davit_engine.ipc.errors import AdmissionError, EngineDeadError
@@ -21,6 +21,7 @@ from davit_engine.ipc.messages import merge_deltas
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.output.processor import OutputPiece, OutputProcessor
 from davit_engine.server.errors import OpenAIError
+from davit_engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from davit_engine.types import EngineRequest, RequestDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -115,8 +116,12 @@ async def admit(
     prefix: str,
     index: int = 0,
     prompt_index: int = 0,
+    client_param: Callable[[str], str] = str,
 ) -> Generation:
-    """Send a tokenized, validated request to the core and wait for its admission answer."""
+    """Send a tokenized, validated request to the core and wait for its admission answer.
+
+    A refusal naming a field is a 400 naming it as `client_param` maps it (the body's names).
+    """
     state.check_accepting()
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.monotonic()
@@ -140,12 +145,8 @@ async def admit(
                 429, rejection.message, None, {"Retry-After": str(retry_after)}
             ) from exc
         if rejection.kind == "param":
-            # The core says "prompt" for what a chat client sent as "messages".
-            param = (
-                "messages"
-                if rejection.param == "prompt" and prefix == "chatcmpl"
-                else rejection.param
-            )
+            # The core names its own fields ("prompt" for what a chat client sent as "messages").
+            param = None if rejection.param is None else client_param(rejection.param)
             raise OpenAIError(400, rejection.message, param) from exc
         raise OpenAIError(500, rejection.message) from exc
     except EngineDeadError as exc:
@@ -225,15 +226,17 @@ class Choices:
 
 async def admit_choices(
     state: ServerState,
+    body: ChatCompletionRequest | CompletionRequest,
     prompts: list[list[int]],
     samplings: list[SamplingParams],
-    n: int,
     prefix: str,
 ) -> Choices:
-    """Admit `n` generations per prompt (choice index = prompt index * n + j), or none at all.
+    """Admit `body.n` generations per prompt (choice index = prompt index * n + j), or none at
+    all.
 
     With a seed, choice j samples with seed + j, so choices differ yet stay reproducible.
     """
+    n = body.n
     admitted: list[Generation] = []
     try:
         for prompt_index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
@@ -241,8 +244,11 @@ async def admit_choices(
                 seeded = sampling
                 if j and sampling.seed is not None:
                     seeded = dataclasses.replace(sampling, seed=sampling.seed + j)
+                index = prompt_index * n + j
                 admitted.append(
-                    await admit(state, prompt, seeded, prefix, prompt_index * n + j, prompt_index)
+                    await admit(
+                        state, prompt, seeded, prefix, index, prompt_index, body.client_param
+                    )
                 )
     except BaseException:
         for generation in admitted:

@@ -1,8 +1,11 @@
 """OpenAI protocol models: one pydantic model per request and response body.
 
 Requests are strict (a string where a number belongs is a 400 naming the field, not a silent
-conversion) and ignore unknown fields, as OpenAI clients add new ones over time. Conversion to
-the engine's internal types happens in `sampling.py`, in one place.
+conversion) and ignore unknown fields, as OpenAI clients add new ones over time. What a request
+body may hold is checked here, in one place: its types by pydantic, and by each request's
+`check()` the shapes this engine does not serve (empty prompts or messages, too many choices,
+fields it does not implement). Conversion to the engine's internal types, with the sampling
+parameters' own validation, happens in `sampling.py`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from davit_engine.types import ParamError
+
+# Each choice is a separate engine request; more than this in one HTTP request is refused.
+MAX_CHOICES = 128
+# More prompts than this in one request are refused: each becomes a separate engine request.
+MAX_PROMPTS = 64
 
 
 class _Request(BaseModel):
@@ -47,6 +57,28 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    def check(self) -> None:
+        """Refuse what the body's types allow but this engine does not serve; ParamError names
+        the field as the client sent it."""
+        if self.logit_bias:
+            raise ParamError("logit_bias", "'logit_bias' is not supported by this engine")
+
+    def client_param(self, param: str) -> str:
+        """The field this body sent for `param`, a field of `SamplingParams` or of the core's
+        request (`prompt`); a refusal names the field the client knows."""
+        return param
+
+    def _check_num_choices(self, num_prompts: int) -> None:
+        """1 <= n, and at most MAX_CHOICES choices (prompts times n) in all."""
+        if self.n < 1:
+            raise ParamError("n", f"'n' must be at least 1, got {self.n}")
+        if num_prompts * self.n > MAX_CHOICES:
+            raise ParamError(
+                "n",
+                f"'n' is too large: {num_prompts} prompt(s) x n={self.n} choices exceed "
+                f"{MAX_CHOICES}",
+            )
+
 
 class TextContentPart(_Request):
     type: Literal["text"]
@@ -58,6 +90,13 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined, none as empty)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
@@ -65,9 +104,37 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Accepted so that using them is an explicit 400, not silently ignored (see sampling.py).
+    # Accepted so that using them is an explicit 400, not silently ignored (see check()).
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if not self.messages:
+            raise ParamError("messages", "'messages' must contain at least one message")
+        for i, message in enumerate(self.messages):
+            if message.role == "user" and not message.text:
+                raise ParamError(f"messages[{i}]", f"'messages[{i}].content' must not be empty")
+        self._check_num_choices(1)
+        super().check()
+        if self.tools:
+            raise ParamError("tools", "'tools' (tool calling) is not supported by this engine")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ParamError(
+                "response_format",
+                f"'response_format' of type {kind!r} is not supported; only 'text' is",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+
+    def client_param(self, param: str) -> str:
+        if param == "prompt":
+            return "messages"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if param == "logprobs":
+            return "top_logprobs"
+        return param
 
 
 class CompletionRequest(_GenerationRequest):
@@ -76,6 +143,36 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt this body holds: a string or token ids, or a list of either."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            # The strict model admits only lists of one kind, so the first item tells.
+            return [list(prompt)]  # token ids
+        return list(prompt)  # type: ignore[arg-type]  # strings or token-id lists
+
+    def check(self) -> None:
+        prompts = self.prompts()
+        if not prompts:
+            raise ParamError("prompt", "'prompt' must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ParamError(
+                "prompt",
+                f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed",
+            )
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise ParamError(param, f"'{param}' must not be empty")
+        self._check_num_choices(len(prompts))
+        super().check()
+        if self.echo:
+            raise ParamError("echo", "'echo' is not supported")
+        if self.suffix:
+            raise ParamError("suffix", "'suffix' is not supported")
 
 
 # --- responses --------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from davit_engine.server.routes.common import (
     respond_when_finished,
     usage_of,
 )
-from davit_engine.server.sampling import check_num_choices, sampling_params
+from davit_engine.server.sampling import sampling_params
 
 router = APIRouter()
 
@@ -57,12 +57,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     state.check_model(body.model)
     state.check_accepting()
+    body.check()
     prompt_ids = chat_prompt_ids(body, state.tokenizer)
-    check_num_choices(1, body.n)
     sampling = sampling_params(
         body, len(prompt_ids), state.max_model_len, state.config.max_logprobs
     )
-    choices = await admit_choices(state, [prompt_ids], [sampling], body.n, "chatcmpl")
+    choices = await admit_choices(state, body, [prompt_ids], [sampling], "chatcmpl")
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return event_stream(choices, _chunks(choices, body.logprobs, include_usage))

@@ -25,7 +25,7 @@ from davit_engine.server.routes.common import (
     respond_when_finished,
     usage_of,
 )
-from davit_engine.server.sampling import check_num_choices, sampling_params
+from davit_engine.server.sampling import sampling_params
 
 router = APIRouter()
 
@@ -54,11 +54,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     state.check_accepting()
+    body.check()
     prompts = completion_prompts(body, state.tokenizer)
-    check_num_choices(len(prompts), body.n)
     max_model_len, max_logprobs = state.max_model_len, state.config.max_logprobs
     samplings = [sampling_params(body, len(p), max_model_len, max_logprobs) for p in prompts]
-    choices = await admit_choices(state, prompts, samplings, body.n, "cmpl")
+    choices = await admit_choices(state, body, prompts, samplings, "cmpl")
     want_logprobs = body.logprobs is not None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
