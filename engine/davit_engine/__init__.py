@@ -1,3 +1,14 @@
-"""Davit engine: an LLM serving engine with an OpenAI-compatible HTTP API."""
+"""Davit engine: an LLM serving engine with an OpenAI-compatible HTTP API.
+
+Requests flow down and token deltas flow back up: the HTTP `server` (or the offline `llm`)
+tokenizes, validates and sends requests through `ipc` to the `engine_core`, whose
+`step_pipeline` drives the `core` scheduler and a `runner` (built on `kernels`, `layers`,
+`models`, `loader` and `memory`); the `output` processor turns the deltas back into text.
+`bench` holds the user-facing `davit bench throughput|serve`.
+
+A module imports only modules of its own layer or lower ones (imports inside functions count):
+
+Layers (lowest first): types, config, core, layers, kernels, models, shapes, loader, tokenizer, output, memory, runner, engine_flags, step_pipeline, engine_core, ipc, llm, server, bench
+"""
 
 __version__ = "0.1.0"
