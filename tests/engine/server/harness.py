@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+
 from tests.support import reference_gguf
 
 

@@ -232,7 +232,7 @@ def section_tests(_: argparse.Namespace) -> None:
             "-p",
             "no:cacheprovider",
             "tests/engine/kernels",
-            "tests/engine/v2",
+            "tests/engine/runner/v2",
         ],
         capture_output=True,
         text=True,

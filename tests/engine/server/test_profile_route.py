@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from server.harness import ServeProcess
 
 from davit_contract.profile import MemoryProfile
+
+from .harness import ServeProcess
 
 
 def test_the_server_serves_its_startup_profile(tmp_path: Path) -> None:

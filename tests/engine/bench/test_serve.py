@@ -21,8 +21,8 @@ from davit_engine.config import EngineConfig
 from davit_engine.server.app import create_app
 from davit_tools.bench import api_stream
 
-from .conftest import serve_fake
-from .harness import threaded_server
+from ..server.conftest import serve_fake
+from ..server.harness import threaded_server
 
 
 def test_percentile_interpolates() -> None:
