@@ -114,13 +114,13 @@ async def admit(
     prompt_token_ids: list[int],
     sampling: SamplingParams,
     prefix: str,
+    client_param: Callable[[str], str],
     index: int = 0,
     prompt_index: int = 0,
-    client_param: Callable[[str], str] = str,
 ) -> Generation:
     """Send a tokenized, validated request to the core and wait for its admission answer.
 
-    A refusal naming a field is a 400 naming it as `client_param` maps it (the body's names).
+    A refusal naming a field is a 400 naming it as `client_param` maps it to the body's field.
     """
     state.check_accepting()
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -247,7 +247,7 @@ async def admit_choices(
                 index = prompt_index * n + j
                 admitted.append(
                     await admit(
-                        state, prompt, seeded, prefix, index, prompt_index, body.client_param
+                        state, prompt, seeded, prefix, body.client_param, index, prompt_index
                     )
                 )
     except BaseException:
