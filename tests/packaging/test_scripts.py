@@ -13,7 +13,9 @@ from .tools import REPO, TOOLS_SCRIPT, Tools
 SCRIPTS = sorted((REPO / "hack").rglob("*.sh"))
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[str(s.relative_to(REPO / "hack")) for s in SCRIPTS])
+@pytest.mark.parametrize(
+    "script", SCRIPTS, ids=[str(s.relative_to(REPO / "hack")) for s in SCRIPTS]
+)
 def test_shellcheck_passes(packaging_tools: Tools, script: Path) -> None:
     result = subprocess.run(
         [str(packaging_tools.shellcheck), "--severity=style", str(script)],
