@@ -6,10 +6,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from davit_contract import engine_defaults
+from davit_engine.spec_decode.config import SpeculativeConfig
 from davit_engine.types import ParamError
 
 RunnerKind = Literal["auto", "v1", "v2"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# FP8 flags (davit_engine.quant): "fp8" is e4m3, as upstream's default FP8 format.
+KvCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+Quantization = Literal["fp8"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,9 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: DType = "auto"
+    # FP8 projection weights (None: as the checkpoint stores them) and KV-cache element type.
+    quantization: Quantization | None = None
+    kv_cache_dtype: KvCacheDType = "auto"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from the model config, capped by KV capacity
@@ -46,6 +55,8 @@ class EngineConfig:
     logits_processors: tuple[str, ...] = ()
     max_logprobs: int = 20
     trust_remote_code: bool = False
+    # --speculative-config, validated (runner V2 only).
+    speculative_config: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         if self.block_size not in engine_defaults.BLOCK_SIZES:
@@ -81,6 +92,18 @@ class EngineConfig:
             raise ParamError("--num-gpu-blocks-override", "must be at least 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ParamError("--kv-cache-memory-bytes", "must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ParamError(
+                "--kv-cache-dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ParamError(
+                "--quantization",
+                f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+            )
+        if self.speculative_config is not None:
+            self.speculative_config.validate()
 
     @property
     def model_name(self) -> str:

@@ -8,9 +8,10 @@ saying what to do instead; none is accepted and then ignored:
   dense models on one GPU: no experts to place, no second micro-batch stream).
 - `--compilation-config JSON`: parsed; an empty object works, sequence parallelism and any
   other key are refused by name.
-- `--speculative-config JSON`: parsed and validated like upstream's (method, token count,
-  n-gram window, draft model); speculative decoding is not implemented yet, so a valid
-  configuration is refused naming its method.
+- `--speculative-config JSON`: upstream's keys and meanings (`spec_decode/config.py`);
+  methods `ngram` and `draft_model` with `standard` (strict), `fly` or `synthetic` verification
+  run on runner V2; any other method, `block` verification, and every invalid key are refused
+  by name.
 - `--logits-processors NAME...`: `package.module.Class` or `package.module:attr`; imported and
   registered in the engine's custom logits-processor registry (which selects runner V1 under
   `--runner auto`), and applied to every request.
@@ -21,27 +22,15 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from davit_engine.types import ParamError
-
-SPECULATIVE_METHODS = (
-    "ngram",
-    "eagle",
-    "eagle3",
-    "mtp",
-    "draft_model",
-    "medusa",
-    "mlp_speculator",
+from davit_engine.spec_decode.config import (
+    FLAG,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
+    speculative_config_from_json,
 )
-_SPECULATIVE_KEYS = {
-    "method",
-    "num_speculative_tokens",
-    "model",
-    "prompt_lookup_max",
-    "prompt_lookup_min",
-}
+from davit_engine.types import ParamError
 
 
 def check_parallelism(
@@ -113,63 +102,18 @@ def check_compilation_config(text: str | None) -> None:
         )
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """A validated `--speculative-config`."""
-
-    method: str
-    num_speculative_tokens: int
-    model: str | None = None
-    prompt_lookup_max: int | None = None
-    prompt_lookup_min: int | None = None
+__all__ = ["SPECULATIVE_METHODS", "check_speculative_config", "parse_speculative_config"]
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """Parse and validate; ParamError("--speculative-config") names the bad key."""
-    flag = "--speculative-config"
-    raw = _json_object(flag, text)
-    unknown = sorted(set(raw) - _SPECULATIVE_KEYS)
-    if unknown:
-        raise ParamError(flag, f"unknown key(s) {', '.join(unknown)}")
-    method = raw.get("method")
-    if method not in SPECULATIVE_METHODS:
-        raise ParamError(
-            flag, f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}"
-        )
-    tokens = raw.get("num_speculative_tokens")
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 16:
-        raise ParamError(flag, f"num_speculative_tokens must be an integer 1-16, got {tokens!r}")
-    model = raw.get("model")
-    if method == "draft_model" and not (isinstance(model, str) and model):
-        raise ParamError(flag, "method draft_model needs model (the draft model's ORG/NAME)")
-    if model is not None and not isinstance(model, str):
-        raise ParamError(flag, f"model must be a string, got {model!r}")
-    lookup: dict[str, int | None] = {}
-    for key in ("prompt_lookup_max", "prompt_lookup_min"):
-        value = raw.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
-            raise ParamError(flag, f"{key} must be a positive integer, got {value!r}")
-        if value is not None and method != "ngram":
-            raise ParamError(flag, f"{key} only applies to method ngram")
-        lookup[key] = value
-    low, high = lookup["prompt_lookup_min"], lookup["prompt_lookup_max"]
-    if low is not None and high is not None and low > high:
-        raise ParamError(flag, f"prompt_lookup_min {low} exceeds prompt_lookup_max {high}")
-    return SpeculativeConfig(method, tokens, model, high, low)
+    """Parse and validate upstream's JSON; ParamError("--speculative-config") names the bad key
+    (and refuses, by name, a method or verification this engine does not implement)."""
+    return speculative_config_from_json(_json_object(FLAG, text))
 
 
-def check_speculative_config(text: str | None) -> None:
-    """Validate, then refuse: no proposer is implemented in this engine version."""
-    if text is None:
-        return
-    config = parse_speculative_config(text)
-    raise ParamError(
-        "--speculative-config",
-        f"speculative decoding (method {config.method}) is not implemented in this engine "
-        "version; remove features.speculative (the flag), or serve with engine type vllm",
-    )
+def check_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The validated configuration, or None without the flag."""
+    return None if text is None else parse_speculative_config(text)
 
 
 def load_logits_processors(names: Sequence[str]) -> None:

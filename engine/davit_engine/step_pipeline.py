@@ -11,6 +11,13 @@ token computed by N+1, which `Scheduler.update_from_output` drops. Requests know
 their pending token lands (max_tokens, max_model_len) are not scheduled again. So the tokens are
 the same as with synchronous steps; only a step's composition may differ, since blocks and
 sequence slots of a request finishing at N are freed one step later.
+
+Speculative decoding: drafts are proposed from a request's latest tokens, and how many tokens a
+verification step adds is known only once it lands, so when step N holds requests that may
+speculate (`SchedulerOutput.wants_host_tokens`), `step()` applies N's tokens before it
+schedules N+1; the device then idles for the host's scheduling of N+1. Steps of requests that
+cannot speculate (and every step without speculative decoding) keep the one-step-ahead
+pipeline.
 """
 
 from __future__ import annotations
@@ -43,18 +50,21 @@ class StepPipeline:
         return self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
-        """One step; returns the deltas of the step whose tokens were applied."""
+        """One step; returns the deltas of the step(s) whose tokens were applied."""
+        landed: list[RequestDelta] = []
+        if self._in_flight is not None and self._in_flight[0].wants_host_tokens:
+            landed = self._settle()
         batch = self.scheduler.schedule()
         has_work = not batch.is_empty
         # Runner V2 keeps per-request state: it must see finished/preempted ids even on a step
         # that schedules nothing.
         if not has_work and not batch.finished_ids and not batch.preempted_ids:
-            return self._settle()
+            return landed + self._settle()
         if not self.async_scheduling:
             output = self.runner.execute(batch)
             return self.scheduler.update_from_output(batch, output)
         pending = self.runner.execute_async(batch)
-        deltas = self._settle()
+        deltas = landed + self._settle()
         if has_work:
             self._in_flight = (batch, pending)
         else:

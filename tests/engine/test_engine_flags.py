@@ -70,17 +70,17 @@ def test_defaults_and_size_one_work() -> None:
         (["--compilation-config", '{"level": 3}'], "--compilation-config", "level"),
         (["--compilation-config", "[1]"], "--compilation-config", "JSON object"),
         (
-            ["--speculative-config", '{"method":"ngram","num_speculative_tokens":4}'],
+            ["--speculative-config", '{"method":"eagle","num_speculative_tokens":4}'],
             "--speculative-config",
-            "method ngram) is not implemented",
+            "method eagle is not implemented",
         ),
         (
             [
                 "--speculative-config",
-                '{"method":"draft_model","num_speculative_tokens":2,"model":"org/draft"}',
+                '{"method":"ngram","num_speculative_tokens":2,"rejection_sample_method":"block"}',
             ],
             "--speculative-config",
-            "method draft_model",
+            "rejection_sample_method block is not implemented",
         ),
         (["--speculative-config", "{not json"], "--speculative-config", "JSON object"),
     ],
@@ -96,16 +96,70 @@ def test_unsupported_flags_are_refused_by_name(
     ("text", "words"),
     [
         ('{"method": "lookahead", "num_speculative_tokens": 2}', "method must be one of"),
-        ('{"method": "ngram", "num_speculative_tokens": 0}', "1-16"),
-        ('{"method": "ngram", "num_speculative_tokens": true}', "1-16"),
+        ('{"num_speculative_tokens": 2}', "method must be one of"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3, "model": 7}', "model must"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "model does not"),
         ('{"method": "eagle", "num_speculative_tokens": 3, "prompt_lookup_max": 4}', "only"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}',
+            "prompt_lookup_min",
+        ),
         (
             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, '
             '"prompt_lookup_min": 5}',
             "exceeds",
         ),
         ('{"method": "ngram", "num_speculative_tokens": 3, "k": 1}', "unknown key(s) k"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "x"}',
+            "rejection_sample_method must",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 1, "rejection_sample_method": "fly"}',
+            "needs num_speculative_tokens >= 2",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "rejection_sample_method": "fly", "fly_window_size": 4}',
+            "fly_window_size must",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "fly_window_size": 2}',
+            "fly_window_size only",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "rejection_sample_method": "fly", "fly_entropy_threshold": -1}',
+            "fly_entropy_threshold",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "rejection_sample_method": "fly", "fly_entropy_top_k": 1}',
+            "fly_entropy_top_k",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}',
+            "exactly one of",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5]}',
+            "synthetic_acceptance_rates must",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": 0.5}',
+            "synthetic_acceptance_rates must",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4}',
+            "synthetic_acceptance_length must",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2}',
+            "synthetic_acceptance_length only",
+        ),
+        ('{"method": "mtp", "num_speculative_tokens": 2}', "method mtp is not implemented"),
     ],
 )
 def test_speculative_config_is_validated(text: str, words: str) -> None:
@@ -126,6 +180,38 @@ def test_speculative_config_parses_every_field_the_operator_writes() -> None:
     config = parse_speculative_config(text)
     assert (config.method, config.num_speculative_tokens) == ("ngram", 5)
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 4)
+    assert config.verification == "strict" and not config.is_lossy
+
+
+def test_speculative_config_fills_upstream_defaults_and_marks_lossy_policies() -> None:
+    fly = parse_speculative_config(
+        '{"method": "draft_model", "model": "random:llama-3.2-1b", "num_speculative_tokens": 4,'
+        ' "rejection_sample_method": "fly"}'
+    )
+    assert fly.fly_window_size == 3  # min(6, K - 1)
+    assert (fly.fly_entropy_threshold, fly.fly_entropy_top_k) == (0.3, 3)
+    assert fly.is_lossy and fly.verification == "fly" and "LOSSY" in fly.describe()
+    synthetic = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": '
+        '"synthetic", "synthetic_acceptance_length": 2.5}'
+    )
+    assert synthetic.is_lossy and "LOSSY" in synthetic.describe()
+    ngram = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (3, 5)
+
+
+def test_the_speculative_config_reaches_the_engine_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config, _, _ = parse_args(
+        [
+            "random:qwen3-tiny",
+            "--speculative-config",
+            '{"method":"ngram","num_speculative_tokens":4}',
+        ]
+    )
+    assert config.speculative_config is not None
+    assert config.speculative_config.num_speculative_tokens == 4
 
 
 def _cache_with(snapshot_source: Path, root: Path, repo: str = "acme/tiny") -> Path:

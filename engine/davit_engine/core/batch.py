@@ -19,6 +19,12 @@ class ScheduledRequest:
     The runner computes tokens `token_ids[num_computed_tokens : num_computed_tokens +
     num_new_tokens]`, writing their K/V into the slots given by `block_ids`, and samples one
     token when `needs_sample` is set (a decode step, or the last chunk of a prefill).
+
+    A speculating decode (`num_spec_tokens` K > 0) computes `1 + K` tokens: its last token and
+    K drafts after it, which are `spec_token_ids` (the n-gram proposer's, possibly fewer than K:
+    the runner pads the rest, never accepting padding) or, when `spec_token_ids` is None, the
+    runner's draft model proposes all K on the device. The runner verifies the drafts and
+    returns the accepted ones plus one token of the target (`RunnerOutput.spec_token_ids`).
     """
 
     request_id: str
@@ -34,6 +40,15 @@ class ScheduledRequest:
     # from `token_ids` (asynchronous scheduling), and only a runner that keeps the drawn tokens
     # on the device (V2) can run such a step. Always 0 for `is_new` requests.
     num_pending_tokens: int = 0
+    num_spec_tokens: int = 0  # K: draft positions the target computes (0: no speculation)
+    spec_token_ids: list[int] | None = None  # host-proposed drafts (n-gram), at most K
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Real drafts to verify (padding excluded)."""
+        if not self.num_spec_tokens:
+            return 0
+        return len(self.spec_token_ids) if self.spec_token_ids is not None else self.num_spec_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -56,6 +71,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # The scheduler needs this step's tokens before it schedules the next one (speculative
+    # decoding proposes drafts from them, and a verification's outcome moves the request):
+    # a pipeline running ahead applies this step first.
+    wants_host_tokens: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -65,14 +84,22 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_speculation(self) -> bool:
+        """Whether some request verifies drafts in this step."""
+        return any(r.num_spec_tokens for r in self.scheduled)
+
 
 @dataclass
 class RunnerOutput:
     """Sampled tokens, one entry per scheduled request in `SchedulerOutput.scheduled` order.
 
     `sampled_token_ids[i]` is None where that request did not sample this step (a prefill chunk
-    that is not the last one). `logprobs[i]` is set only where the request asked for them.
+    that is not the last one) or verified drafts. `logprobs[i]` is set only where the request
+    asked for them. `spec_token_ids[i]`, for a request that verified drafts, lists the accepted
+    drafts followed by the target's token (at least one token).
     """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprob | None] | None = None
+    spec_token_ids: list[list[int] | None] | None = None

@@ -26,6 +26,10 @@ class Request:
     `num_pending_tokens` counts tokens a launched step samples that have not reached the host
     yet (asynchronous scheduling): they follow `token_ids` as placeholders, already counted in
     `num_computed_tokens` once the step that consumes them as inputs is scheduled.
+
+    `is_verifying` marks a launched speculative step whose outcome is not on the host yet: how
+    many tokens it adds (and so where the request continues) is unknown until then, so the
+    request is not scheduled again before it lands.
     """
 
     __slots__ = (
@@ -34,6 +38,7 @@ class Request:
         "block_ids",
         "eos_token_ids",
         "finish_reason",
+        "is_verifying",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_pending_tokens",
@@ -67,6 +72,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
+        self.is_verifying = False
         self.block_ids: list[int] = []
         # Chained prefix-cache hashes of this request's full blocks, computed lazily by the
         # block manager; valid for the request's lifetime because token_ids only grows.

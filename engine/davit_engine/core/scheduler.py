@@ -7,6 +7,23 @@ cache. With asynchronous scheduling the next `schedule()` comes before the previ
 `update_from_output()`: a token still being sampled is a placeholder (`num_pending_tokens`) that
 the next step already consumes as its input, and a stop found one step late drops the extra
 token, so the outputs are the same as with the calls strictly alternating.
+
+Speculative decoding (`config.speculative_config`): an eligible decode request verifies K
+drafts, so it takes `1 + K` tokens of `max_num_batched_tokens` (the budget counts target
+tokens only; a draft model's own work never takes budget) and KV slots for all of them. At most
+`max_num_spec_seqs` requests verify per step (the runner's verification and draft buffers are
+sized for that many); the others decode normally. n-gram drafts are proposed here, on the host;
+a step verifies drafts only when at least one eligible request has a proposal, and then every
+eligible request within the cap verifies (those without drafts verify none), so the step stays
+uniform (K + 1 tokens per request) for the runner's CUDA graphs. A draft model proposes on the
+device, for every eligible request. Drafts come from a request's latest tokens and a
+verification's outcome (how many tokens it adds) decides where the request continues, so a
+step holding requests that may speculate asks to be applied before the next one is scheduled
+(`SchedulerOutput.wants_host_tokens`): those requests step synchronously, while requests that
+cannot speculate (logprobs, penalties, ...) keep the asynchronous pipeline. A verifying
+request is never scheduled again before its step landed. Rejected drafts roll back
+`num_computed_tokens`; their slots stay in the request's blocks for its next step and are freed
+with the request.
 """
 
 from __future__ import annotations
@@ -17,7 +34,17 @@ from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.core.block_manager import BlockManager
 from davit_engine.core.request import Request, RequestStatus
-from davit_engine.types import EngineRequest, EngineStats, FinishReason, ParamError, RequestDelta
+from davit_engine.spec_decode.config import max_speculating_seqs
+from davit_engine.spec_decode.ngram import NgramProposer
+from davit_engine.spec_decode.stats import SpecDecodeStats
+from davit_engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    ParamError,
+    RequestDelta,
+    SamplingParams,
+)
 
 
 class QueueFullError(Exception):
@@ -94,6 +121,24 @@ class Scheduler:
         self._num_preemptions = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.max_num_spec_seqs = (
+            max_speculating_seqs(
+                config.max_num_seqs, config.max_num_batched_tokens, self.num_spec_tokens
+            )
+            if spec is not None
+            else 0
+        )
+        self._ngram: NgramProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self._ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_stats = SpecDecodeStats(self.num_spec_tokens) if spec is not None else None
+        # "separate": draft work takes no target budget. "reserved": the upstream-style
+        # reservation of max_num_seqs x K budget tokens for drafts, kept for comparison in the
+        # benchmarks only.
+        self.draft_budget = "separate"
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -159,14 +204,21 @@ class Scheduler:
         """
         bm = self.block_manager
         budget = self.max_num_batched_tokens
+        if self.num_spec_tokens and self.draft_budget == "reserved":
+            budget = max(1, budget - self.max_num_seqs * self.num_spec_tokens)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self._running
         block_size = self.block_size
+        drafts = self._propose() if self.num_spec_tokens else {}
+        num_spec = 0
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.is_verifying:
+                i += 1  # its verification has not landed: where it continues is unknown
+                continue
             num_pending = req.num_pending_tokens
             if num_pending and self._pending_reach_length(req):
                 i += 1  # finishes when its pending token lands: nothing left to compute
@@ -176,6 +228,13 @@ class Scheduler:
                 # Nothing to compute: its last sample has not been appended (misuse guard).
                 i += 1
                 continue
+            spec = drafts.get(req.request_id)
+            num_spec_tokens = 0
+            fits = num_spec < self.max_num_spec_seqs and 1 + self.num_spec_tokens <= budget
+            if spec is not None and fits:
+                num_spec_tokens = self.num_spec_tokens
+                num_new = 1 + num_spec_tokens
+                num_spec += 1
             num_needed = req.num_computed_tokens + num_new
             # Most decode steps stay inside the last block: skip the block manager then.
             if num_needed > len(req.block_ids) * block_size:
@@ -188,7 +247,13 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     break  # req preempted itself: everything after it is gone too
                 bm.append_slots(req, num_needed)
-            scheduled.append(self._make_scheduled(req, num_new, is_new=False))
+            item = self._make_scheduled(req, num_new, is_new=False)
+            if num_spec_tokens:
+                item.num_spec_tokens = num_spec_tokens
+                item.spec_token_ids = spec if self._ngram is not None else None
+                item.needs_sample = True  # no placeholder token: its outcome is a list
+                req.is_verifying = True
+            scheduled.append(item)
             budget -= num_new
             i += 1
 
@@ -197,8 +262,61 @@ class Scheduler:
             budget = self._admit_waiting(scheduled, budget)
 
         out = SchedulerOutput(scheduled, self._finished_ids, preempted)
+        if self.num_spec_tokens:
+            out.wants_host_tokens = any(self._spec_features_ok(s.sampling) for s in scheduled)
         self._finished_ids = []
         return out
+
+    def _propose(self) -> dict[str, list[int]]:
+        """Drafts of the running requests that may verify this step (by id): n-gram proposals
+        (only when at least one request has one), or empty lists for the draft model's rows."""
+        k = self.num_spec_tokens
+        drafts: dict[str, list[int]] = {}
+        any_draft = False
+        for req in self._running:
+            if len(drafts) >= self.max_num_spec_seqs:
+                break
+            if not self._may_speculate(req):
+                continue
+            proposal: list[int] = []
+            if self._ngram is not None:
+                proposal = self._ngram.propose(req.request_id, req.token_ids, k)
+                any_draft = any_draft or bool(proposal)
+            drafts[req.request_id] = proposal
+        if self._ngram is not None and not any_draft:
+            return {}  # nobody has a draft: everyone decodes normally (and asynchronously)
+        return drafts
+
+    def _may_speculate(self, req: Request) -> bool:
+        """A decode whose tokens are all on the host, whose features verification keeps
+        exact (no logprobs, penalties, pending min_tokens or custom processors), with room for
+        K + 1 positions and at least two more outputs."""
+        if req.is_verifying or req.num_pending_tokens:
+            return False
+        num_tokens = len(req.token_ids)
+        if num_tokens - req.num_computed_tokens != 1:
+            return False  # still prefilling
+        p = req.sampling
+        num_output = num_tokens - req.num_prompt_tokens
+        return (
+            self._spec_features_ok(p)
+            and num_output >= p.min_tokens
+            and p.max_tokens - num_output >= 2
+            and num_tokens + self.num_spec_tokens < self.max_model_len
+        )
+
+    @staticmethod
+    def _spec_features_ok(p: SamplingParams) -> bool:
+        """Sampling features verification keeps exact: not logprobs, penalties or custom
+        logits processors (those requests decode normally)."""
+        return (
+            p.logprobs is None
+            and p.prompt_logprobs is None
+            and not p.logits_processors
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+        )
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         bm = self.block_manager
@@ -206,7 +324,7 @@ class Scheduler:
         running = self._running
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting[0]
-            if req.num_pending_tokens:
+            if req.num_pending_tokens or req.is_verifying:
                 # Preempted with a token in flight: a recompute needs every token on the host.
                 break
             # Prompt logprobs need logits at every prompt position: nothing may be skipped.
@@ -300,6 +418,12 @@ class Scheduler:
             if req is None or req.token_ids is not sreq.token_ids:
                 continue
             is_running = req.status is RequestStatus.RUNNING
+            if sreq.num_spec_tokens:
+                reason = self._apply_verification(req, sreq, res, i, is_running, deltas)
+                num_generated += len(deltas[-1].new_token_ids)
+                if reason is not None:
+                    any_finished = True
+                continue
             num_computed = sreq.num_computed_tokens + sreq.num_new_tokens
             if is_running and caching and num_computed // block_size > req.num_registered_blocks:
                 bm.cache_full_blocks(req, num_computed)
@@ -339,7 +463,58 @@ class Scheduler:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
         return deltas
 
+    def _apply_verification(
+        self,
+        req: Request,
+        sreq: ScheduledRequest,
+        res: RunnerOutput,
+        row: int,
+        is_running: bool,
+        deltas: list[RequestDelta],
+    ) -> FinishReason | None:
+        """Append a verification step's tokens (accepted drafts, then the target's own), roll
+        the rejected slots back and register the blocks that became full."""
+        tokens = res.spec_token_ids[row] if res.spec_token_ids is not None else None
+        if not tokens or len(tokens) > sreq.num_spec_tokens + 1:
+            raise ValueError(f"runner returned {tokens!r} for {sreq.request_id}'s verification")
+        req.is_verifying = False
+        num_accepted = len(tokens) - 1
+        if self.spec_stats is not None:
+            self.spec_stats.observe(sreq.num_draft_tokens, num_accepted)
+        if is_running:
+            # Slots of rejected drafts are rolled back: the next step overwrites their K/V.
+            req.num_computed_tokens -= sreq.num_spec_tokens - num_accepted
+        reason = None
+        appended: list[int] = []
+        for token_id in tokens:
+            reason = req.append_output_token(token_id, self.max_model_len)
+            appended.append(token_id)
+            if reason is not None:
+                break  # an EOS or a limit among the accepted tokens: the rest is dropped
+        if is_running and self.block_manager.enable_prefix_caching:
+            valid = min(req.num_computed_tokens, len(req.token_ids))
+            if valid // self.block_size > req.num_registered_blocks:
+                self.block_manager.cache_full_blocks(req, valid)
+        deltas.append(
+            RequestDelta(
+                request_id=req.request_id,
+                new_token_ids=appended,
+                finish_reason=reason,
+                stop_token_id=req.stop_token_id,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        )
+        if reason is not None:
+            del self._requests[req.request_id]
+            if not is_running:
+                self._waiting.remove(req)  # preempted while its step ran
+            self._finish(req, reason)
+        return reason
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if self._ngram is not None:
+            self._ngram.forget(req.request_id)
         self.block_manager.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -46,6 +46,8 @@ def _v2_available() -> bool:
 def select_runner(config: EngineConfig, device: torch.device) -> tuple[str, str]:
     """(runner kind, human-readable reason) for `config.runner` on `device`."""
     v1_only = v1_only_features()
+    if config.speculative_config is not None:
+        _check_speculation(config, device, v1_only)
     if config.runner == "v1":
         return "v1", "requested with --runner v1"
     if config.runner == "v2":
@@ -70,6 +72,31 @@ def select_runner(config: EngineConfig, device: torch.device) -> tuple[str, str]
     if not _v2_available():
         return "v1", "runner V2 is not included in this build"
     return "v2", "CUDA device available"
+
+
+def _check_speculation(config: EngineConfig, device: torch.device, v1_only: list[str]) -> None:
+    """Speculative decoding runs on runner V2 only (its verification and draft passes keep
+    request state on the device); refuse every setup that cannot give it V2."""
+    flag = "--speculative-config"
+    method = config.speculative_config.method if config.speculative_config else ""
+    if config.runner == "v1":
+        raise ParamError(
+            flag,
+            f"speculative decoding (method {method}) needs runner V2; runner V1 does not "
+            "implement it: drop --runner v1 or the speculative configuration",
+        )
+    if device.type != "cuda":
+        raise ParamError(
+            flag,
+            f"speculative decoding (method {method}) needs runner V2, which needs a CUDA "
+            f"device; this engine runs on {device.type}",
+        )
+    if v1_only:
+        raise ParamError(
+            flag,
+            f"speculative decoding needs runner V2, but {'; '.join(v1_only)} need runner V1: "
+            "use one or the other",
+        )
 
 
 def create_runner(

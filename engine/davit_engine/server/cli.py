@@ -4,7 +4,12 @@ Exit status: 0 after a normal shutdown or a completed drain, 1 when the model fa
 2 for bad flags (argparse's convention; the message names the flag).
 
 SIGTERM drains: `/ready` turns 503, new requests get 503, in-flight requests finish (bounded by
-`--drain-timeout`), then the server exits 0. A second SIGTERM, or SIGINT, stops at once.
+`--drain-timeout`; past it, open streams end with an error event), then the server exits 0. A
+second SIGTERM, or SIGINT, stops at once.
+
+The API key comes from `--api-key` or, where the flag is absent, the `VLLM_API_KEY` environment
+variable (how the operator passes it from a Secret, so it never shows in the pod's arguments).
+It is never printed: `--help` names the variable, not its value.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +27,7 @@ from types import FrameType
 import uvicorn
 
 from davit_contract import engine_defaults
-from davit_engine.config import EngineConfig
+from davit_engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from davit_engine.engine_flags import (
     check_compilation_config,
     check_parallelism,
@@ -29,15 +35,13 @@ from davit_engine.engine_flags import (
 )
 from davit_engine.loader.hf_cache import repo_id_of, resolve_snapshot
 from davit_engine.server.app import create_app
+from davit_engine.server.auth import API_KEY_ENV
+from davit_engine.server.connections import uvicorn_config
 from davit_engine.server.profile_only import default_output, profile_only
-from davit_engine.server.state import ServerSettings, ServerState
+from davit_engine.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings, ServerState
 from davit_engine.types import ParamError
 
 logger = logging.getLogger("davit.serve")
-
-# Seconds uvicorn gives connections still open after the drain (or after SIGINT) before it
-# cancels them.
-_SHUTDOWN_GRACE_S = 3
 
 
 def _int_at_least(minimum: int) -> type[int]:
@@ -66,8 +70,15 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -91,10 +102,50 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ready and "
+        f"/metrics (default: the {API_KEY_ENV} environment variable; unset: no key)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=_int_at_least(1),
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with HTTP 413 (the default fits a 1M-token "
+        "prompt as text or as token ids)",
+    )
+    server.add_argument(
+        "--request-read-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds a client gets to send a request's headers, and again its body; slower "
+        "clients are disconnected (a late body is answered HTTP 408)",
+    )
+    server.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special-token text in chat message content as control tokens (by default "
+        "it is plain text, so a client cannot forge a turn of another role)",
+    )
     engine = p.add_argument_group("engine")
     engine.add_argument("--tokenizer", default=None, help="tokenizer source (default: the model)")
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    engine.add_argument(
+        "-q",
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="fp8: FP8 projection weights (checkpoints in bf16/fp16 are quantized at load; "
+        "FP8 checkpoints are detected without it)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type: auto (the model dtype) or fp8 (e4m3, per-layer scales)",
     )
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--seed", type=int, default=0)
@@ -191,6 +242,8 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         tokenizer=args.tokenizer,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         seed=args.seed,
         max_model_len=args.max_model_len,
@@ -221,7 +274,9 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
             args.enable_dbo,
         )
         check_compilation_config(args.compilation_config)
-        check_speculative_config(args.speculative_config)
+        speculative = check_speculative_config(args.speculative_config)
+        if speculative is not None:
+            config = dataclasses.replace(config, speculative_config=speculative)
         repo_id = repo_id_of(config.model)
         if repo_id is not None:
             snapshot = resolve_snapshot(repo_id, config.revision)
@@ -230,7 +285,15 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
             )
     except ParamError as exc:
         parser.error(f"argument {exc.param}: {exc.message}")
-    settings = ServerSettings(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        drain_timeout_s=args.drain_timeout,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_read_timeout_s=args.request_read_timeout,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+    )
     return config, settings, args.log_level, args
 
 
@@ -264,8 +327,11 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         logger.info("SIGTERM: draining for up to %.0f s", self.state.settings.drain_timeout_s)
-        drained = await self.state.wait_drained(self.state.settings.drain_timeout_s)
-        logger.info("drain %s; shutting down", "complete" if drained else "timed out")
+        drained = await self.state.drain(self.state.settings.drain_timeout_s)
+        logger.info(
+            "drain %s; shutting down",
+            "complete" if drained else "timed out (open requests were ended)",
+        )
         self.should_exit = True
 
 
@@ -289,15 +355,7 @@ def serve_main(rest: list[str]) -> int:
             server.should_exit = True
 
     app = create_app(config, settings, on_fatal=on_fatal)
-    uv_config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
-    )
-    server = DrainingServer(uv_config, app.state.davit)
+    server = DrainingServer(uvicorn_config(app, settings, log_level), app.state.davit)
     server.run()
     return exit_code
 

@@ -197,3 +197,90 @@ def reference_outputs(
         scheduler.add_request(req)
         result[req.request_id] = output_tokens(run_to_completion(scheduler, runner)[req.request_id])
     return result
+
+
+class SpecSimRunner(AsyncSimRunner):
+    """AsyncSimRunner that also verifies drafts, greedily, as runner V2 does.
+
+    A row with `num_spec_tokens` K computes its last token and K drafts (`spec_token_ids`
+    padded with token 0, or, for a draft-model row, K drafts this runner proposes: the true
+    continuation with every `corrupt_every`-th draft wrong). The K/V of all K + 1 positions are
+    written, the drafted ones too; the drafts the target agrees with are accepted, then the
+    target's own token. Stale K/V of rejected positions trips the prefix check if the scheduler
+    ever lets a later step read them.
+    """
+
+    name = "spec-sim"
+
+    def __init__(self, *args: Any, corrupt_every: int = 3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.corrupt_every = corrupt_every
+        self.num_spec_rows = 0
+        self.num_proposed = 0
+
+    def execute_async(self, out: SchedulerOutput) -> SimPending:
+        plain = [s for s in out.scheduled if not s.num_spec_tokens]
+        spec_rows = {s.request_id: s for s in out.scheduled if s.num_spec_tokens}
+        inner = SchedulerOutput(plain, out.finished_ids, out.preempted_ids)
+        output = super().execute_async(inner).output
+        by_id = dict(zip([s.request_id for s in plain], output.sampled_token_ids, strict=True))
+        sampled: list[int | None] = []
+        spec_tokens: list[list[int] | None] = []
+        for sreq in out.scheduled:
+            if sreq.num_spec_tokens:
+                sampled.append(None)
+                spec_tokens.append(self._verify(spec_rows[sreq.request_id]))
+            else:
+                sampled.append(by_id[sreq.request_id])
+                spec_tokens.append(None)
+        return SimPending(RunnerOutput(sampled, None, spec_tokens))
+
+    def _verify(self, sreq: ScheduledRequest) -> list[int]:
+        assert not sreq.is_new and sreq.num_pending_tokens == 0, sreq
+        own = self.sequences[sreq.request_id]
+        assert own == sreq.token_ids, "a verifying request's tokens are all on the host"
+        bs, k = self.block_size, sreq.num_spec_tokens
+        start = sreq.num_computed_tokens
+        assert start == len(own) - 1 and sreq.num_new_tokens == k + 1, sreq
+        assert len(sreq.block_ids) * bs >= start + k + 1, "no KV slots for the drafts"
+        prev = self.kv[sreq.block_ids[(start - 1) // bs]][(start - 1) % bs]
+        assert prev == prefix_digest(own, start), f"{sreq.request_id}: stale KV"
+        if sreq.spec_token_ids is not None:
+            assert len(sreq.spec_token_ids) <= k
+            drafts = list(sreq.spec_token_ids) + [0] * (k - len(sreq.spec_token_ids))
+            num_real = len(sreq.spec_token_ids)
+        else:
+            drafts = self._propose(own, prev, k)
+            num_real = k
+        self.num_spec_rows += 1
+        self.num_proposed += num_real
+        inputs = [own[start], *drafts]
+        emitted: list[int] = []
+        accepting = True
+        for i, token in enumerate(inputs):
+            prev = mix(prev, token)
+            pos = start + i
+            self.kv[sreq.block_ids[pos // bs]][pos % bs] = prev
+            if not accepting:
+                continue
+            target = self.next_token(prev)
+            if i < num_real and drafts[i] == target:
+                emitted.append(target)
+            else:
+                emitted.append(target)
+                accepting = False
+        self.num_computed_total += k + 1
+        own.extend(emitted)
+        return emitted
+
+    def _propose(self, own: list[int], digest: int, k: int) -> list[int]:
+        """The true continuation with every `corrupt_every`-th draft (by content) wrong."""
+        drafts: list[int] = []
+        token = own[-1]
+        for _ in range(k):
+            digest = mix(digest, token)
+            token = self.next_token(digest)
+            if self.corrupt_every and digest % self.corrupt_every == 0:
+                token = (token + 1) % self.vocab_size
+            drafts.append(token)
+        return drafts

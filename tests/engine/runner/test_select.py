@@ -64,3 +64,14 @@ def test_bad_device_flag() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ParamError, match="no CUDA device"):
             resolve_device(EngineConfig(model="random:qwen3-tiny", device="cuda"))
+
+
+def test_speculative_decoding_needs_runner_v2() -> None:
+    from davit_engine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig("ngram", 3, prompt_lookup_min=2, prompt_lookup_max=3)
+    for runner, device in (("v1", "cuda"), ("auto", "cpu")):
+        config = EngineConfig(model="random:qwen3-tiny", runner=runner, speculative_config=spec)  # type: ignore[arg-type]
+        with pytest.raises(ParamError) as err:
+            select_runner(config, torch.device(device))
+        assert err.value.param == "--speculative-config" and "runner V2" in err.value.message
