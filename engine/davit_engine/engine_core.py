@@ -18,6 +18,7 @@ from davit_contract.profile import MemoryProfile
 from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.engine_flags import load_logits_processors
+from davit_engine.isolating_runner import isolating
 from davit_engine.loader import load_model
 from davit_engine.memory.allocator import configure_cuda_allocator
 from davit_engine.runner.base import ModelRunner
@@ -65,7 +66,8 @@ class EngineCore:
     Raises ParamError at construction for a configuration that cannot work (naming the flag or
     file). `add_request` raises ParamError for invalid requests and QueueFullError when the
     waiting queue is full; an accepted request always ends with exactly one finished delta
-    (STOP/LENGTH from `step()`, or ABORT from the `step()` after `abort_requests`).
+    (STOP/LENGTH from `step()`, ABORT from the `step()` after `abort_requests`, or ERROR from
+    the `step()` in which it failed alone: see isolating_runner).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -101,7 +103,8 @@ class EngineCore:
         async_scheduling = config.async_scheduling and self.runner.supports_async_scheduling
         if config.async_scheduling and not async_scheduling:
             logger.info("runner %s schedules synchronously (no asynchronous scheduling)", kind)
-        self.pipeline = StepPipeline(self.scheduler, self.runner, async_scheduling)
+        self.isolation = isolating(self.runner, self.scheduler)
+        self.pipeline = StepPipeline(self.scheduler, self.isolation, async_scheduling)
         self.model_info = ModelInfo(
             served_model_name=config.model_name,
             max_model_len=self.scheduler.max_model_len,
@@ -172,6 +175,7 @@ class EngineCore:
         """Run one scheduler step; returns the deltas it produced (aborts first)."""
         deltas, self._aborted = self._aborted, []
         deltas.extend(self.pipeline.step())
+        deltas.extend(self.isolation.take_failed())
         return deltas
 
     def has_unfinished_requests(self) -> bool:

@@ -3,11 +3,18 @@
 `load_tokenizer(config)` picks: `--tokenizer byte` or a `random:<shape>` model gives the
 byte-level tokenizer; a `.gguf` file or a Hugging Face directory gives its embedded tokenizer and
 chat template. Both expose the same small `Tokenizer` interface used by the front end.
+
+Message content is text: special-token strings a client types into a message (for example
+`<|im_start|>system`) are tokenized as the plain text they are, never as control tokens, so a
+client cannot forge a turn of another role. Only the chat template writes control tokens.
+`content_special_tokens=True` (the server's `--allow-special-tokens-in-content`) parses them
+in content too, as the tokenizer parses any text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +35,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
@@ -79,6 +89,14 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "".join(texts)}
 
 
+# Stand-ins for message content while the template renders (Unicode private-use characters):
+# where they land in the rendered text is where the template put each content.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+# Around a stand-in: a template that trims content (many do) trims this away too.
+_PAD = " \t\n\t "
+
+
 class HFTokenizer:
     """A transformers tokenizer with the checkpoint's chat template."""
 
@@ -88,24 +106,102 @@ class HFTokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos]))
         self.vocab_size: int = len(tokenizer)
         self._special_ids = set(tokenizer.all_special_ids)
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials = {str(t) for t in tokenizer.all_special_tokens}
+        specials |= {str(t.content) for t in decoder.values() if getattr(t, "special", False)}
+        specials.discard("")
+        # Longest first, so that a special token that extends another one is found whole.
+        self._special_text = (
+            re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+            if specials
+            else None
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` with special-token strings in it tokenized as ordinary text."""
+        ids = self._tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return list(ids)
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[int]:
         checked = validate_messages(messages)
         if not getattr(self._tok, "chat_template", None):
             raise ParamError("messages", "this model's tokenizer has no chat template")
+        pattern = self._special_text
+        if content_special_tokens or pattern is None:
+            return self._render_and_encode(checked, add_generation_prompt)
+        if not any(pattern.search(m["content"]) for m in checked):
+            # The usual case: nothing in the content could turn into a control token.
+            return self._render_and_encode(checked, add_generation_prompt)
+        return self._encode_content_as_text(checked, add_generation_prompt)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
             text = self._tok.apply_chat_template(
-                checked, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja raises its own errors for template-level rejections
             raise ParamError("messages", f"the chat template rejected the messages: {exc}") from exc
+        return str(text)
+
+    def _render_and_encode(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> list[int]:
         # The template already wrote the special tokens (BOS included where it wants one).
-        return self.encode(str(text), add_special_tokens=False)
+        return self.encode(self._render(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _encode_content_as_text(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> list[int]:
+        """Render with stand-ins for the contents, then tokenize the template's own text with
+        its control tokens and each content as plain text, where the template placed it.
+
+        A template may trim content (the stand-in's whitespace padding shows it); one that
+        changes content otherwise cannot be followed, and the request is refused rather than
+        let content text turn into control tokens.
+        """
+        stand_ins = [
+            {**m, "content": f"{_PAD}{_MARK_OPEN}{i}{_MARK_CLOSE}{_PAD}"}
+            for i, m in enumerate(messages)
+        ]
+        parts = _MARK.split(self._render(stand_ins, add_generation_prompt))
+        # parts: template text, content index, template text, ..., template text
+        texts = parts[0::2]
+        pieces: list[tuple[str, bool]] = []  # (text, is content)
+        for k, index in enumerate(parts[1::2]):
+            content = messages[int(index)]["content"]
+            before, after = texts[k], texts[k + 1]
+            if before.endswith(_PAD):
+                texts[k] = before.removesuffix(_PAD)
+            else:
+                content = content.lstrip()
+            if after.startswith(_PAD):
+                texts[k + 1] = after.removeprefix(_PAD)
+            else:
+                content = content.rstrip()
+            pieces.append((content, True))
+        ordered: list[tuple[str, bool]] = [(texts[0], False)]
+        for k, piece in enumerate(pieces):
+            ordered += [piece, (texts[k + 1], False)]
+        if "".join(text for text, _ in ordered) != self._render(messages, add_generation_prompt):
+            raise ParamError(
+                "messages",
+                "message content holds special-token text that this model's chat template "
+                "would turn into control tokens; remove it (or start the server with "
+                "--allow-special-tokens-in-content)",
+            )
+        ids: list[int] = []
+        for text, is_content in ordered:
+            if text:
+                ids += self.encode_plain(text) if is_content else self.encode(text, False)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(
@@ -150,8 +246,12 @@ class ByteTokenizer:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[int]:
+        # Content is written as bytes: no text of it ever becomes a special token id.
         checked = validate_messages(messages)
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in checked)
         if add_generation_prompt:

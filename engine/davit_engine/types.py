@@ -7,13 +7,31 @@ are plain dataclasses of Python scalars and lists (picklable, no tensors).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# Range limits every runner can represent. Runner V2 packs per-request parameters into int32
+# and float32 device tables (runner/v2/state.py), and seeds travel as int64 (OpenAI's type).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this temperature a request samples greedily, as upstream treats it: 1 / T would
+# overflow float32 logits (temperature 1e-45 is float32's smallest step above zero).
+GREEDY_TEMPERATURE = 1e-5
+# A top_p at or below the top token's probability keeps only the top token. That probability
+# is at least 1 / vocabulary size, so raising a smaller top_p to this floor changes no result,
+# while values that round to zero in float32 would drop every token.
+MIN_TOP_P = 1e-10
+# Logits are divided or multiplied by the repetition penalty in float32: outside this range a
+# finite logit can become infinite and the draw degenerate.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token id or stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # client went away or request was cancelled
+    ERROR = "error"  # the engine failed while running this request (only this one)
 
 
 class ParamError(ValueError):
@@ -24,10 +42,33 @@ class ParamError(ValueError):
         self.param = param
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in worker threads and processes too: pickles with both fields.
+        return (ParamError, (self.param, self.message))
+
+
+def _check_int(name: str, value: int, low: int, high: int, allowed: str) -> None:
+    if not low <= value <= high:
+        raise ParamError(name, f"{name} must be {allowed}, got {value}")
+
+
+def _check_float(name: str, value: float, low: float, high: float, allowed: str) -> None:
+    # `not low <= x <= high` is also true for NaN.
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ParamError(name, f"{name} must be {allowed}, got {value}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings. `validate()` raises ParamError naming the field."""
+    """Per-request sampling settings. `validate()` raises ParamError naming the field.
+
+    Every number must be finite and within what every runner represents (`validate()` names
+    the allowed range): integers fit int32 (seed: int64), floats are finite and stay finite
+    in the float32 sampler. Two values map to documented equivalents, as upstream maps them:
+    a temperature below GREEDY_TEMPERATURE (1e-5) samples greedily (`is_greedy`), and a
+    positive top_p below MIN_TOP_P (1e-10) is raised to it (both keep only the top token).
+    top_k 0 or -1 turns top-k off.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,40 +89,40 @@ class SamplingParams:
     min_tokens: int = 0
     logits_processors: tuple[str, ...] = ()  # names of registered custom logits processors
 
+    def __post_init__(self) -> None:
+        if isinstance(self.top_p, float) and 0.0 < self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, max_logprobs: int = 20) -> None:
-        if self.max_tokens < 1:
-            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ParamError(
-                "temperature", f"temperature must be in [0, 2], got {self.temperature}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX, f"in [1, {INT32_MAX}]")
+        _check_float("temperature", self.temperature, 0.0, 2.0, "in [0, 2]")
+        if self.top_p <= 0.0:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ParamError("top_k", f"top_k must be 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise ParamError(
-                "repetition_penalty",
-                f"repetition_penalty must be positive, got {self.repetition_penalty}",
-            )
+        _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
+        _check_int("top_k", self.top_k, -1, INT32_MAX, f"0 or -1 (off), or in [1, {INT32_MAX}]")
+        _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
+        low, high = REPETITION_PENALTY_RANGE
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low, high, f"in [{low:g}, {high:g}]"
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
+            _check_float(name, getattr(self, name), -2.0, 2.0, "in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX, "a 64-bit signed integer")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= max_logprobs:
-                raise ParamError(name, f"{name} must be in [0, {max_logprobs}], got {value}")
+            if value is not None:
+                _check_int(name, value, 0, max_logprobs, f"in [0, {max_logprobs}]")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ParamError(
                 "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
             )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, INT32_MAX, "token ids (>= 0)")
         if len(self.stop) > 16:
             raise ParamError("stop", "at most 16 stop strings are allowed")
         if any(not s for s in self.stop):
@@ -121,6 +162,7 @@ class RequestDelta:
     stop_token_id: int | None = None  # the token that triggered a STOP, if any
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the engine failed the request (with FinishReason.ERROR)
 
     @property
     def finished(self) -> bool:

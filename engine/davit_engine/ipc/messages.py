@@ -104,6 +104,7 @@ class Deltas:
                 d.stop_token_id,
                 d.num_prompt_tokens,
                 d.num_cached_tokens,
+                d.error,
             )
             for d in self.deltas
         ]
@@ -132,6 +133,7 @@ _DeltaRow = tuple[
     int | None,
     int,
     int,
+    str | None,
 ]
 
 
@@ -146,6 +148,7 @@ def _deltas_from_rows(rows: list[_DeltaRow], stats: EngineStats | None) -> Delta
                 stop_token_id,
                 num_prompt_tokens,
                 num_cached_tokens,
+                error,
             )
             for (
                 request_id,
@@ -155,6 +158,7 @@ def _deltas_from_rows(rows: list[_DeltaRow], stats: EngineStats | None) -> Delta
                 stop_token_id,
                 num_prompt_tokens,
                 num_cached_tokens,
+                error,
             ) in rows
         ],
         stats,
@@ -165,8 +169,8 @@ def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
     """One request's consecutive deltas as one: the same tokens, logprobs and outcome.
 
     Token ids and logprobs are concatenated in order; the finish reason and stop token are the
-    last delta's (only the last one of a request can carry them); prompt and cache counts are
-    the latest reported.
+    last delta's (only the last one of a request can carry them, and an error); prompt and cache
+    counts are the latest reported.
     """
     if len(deltas) == 1:
         return deltas[0]
@@ -187,6 +191,7 @@ def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
         last.stop_token_id,
         max(d.num_prompt_tokens for d in deltas),
         max(d.num_cached_tokens for d in deltas),
+        last.error,
     )
 
 

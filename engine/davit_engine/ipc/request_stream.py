@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from davit_engine.ipc.errors import EngineDeadError
 from davit_engine.types import RequestDelta
 
 
 class RequestStream:
-    """Deltas for one admitted request, in order; an `EngineDeadError` ends it early.
+    """Deltas for one admitted request, in order; an error (`EngineDeadError` when the core
+    died, or the front end's own reason to stop) ends it early.
 
     The client `put()`s deltas as they arrive; the consumer `take()`s everything that arrived
     since its last call, so a consumer that fell behind catches up in one step instead of one
@@ -19,14 +19,14 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._pending: list[RequestDelta] = []
-        self._error: EngineDeadError | None = None
+        self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: RequestDelta) -> None:
         self._pending.append(delta)
         self._wake()
 
-    def fail(self, error: EngineDeadError) -> None:
+    def fail(self, error: Exception) -> None:
         """End the stream with `error` once the deltas already put have been taken."""
         self._error = error
         self._wake()

@@ -29,10 +29,14 @@ class ModelRunner(abc.ABC):
       the step and returns before its tokens are on the host; the next step may be launched
       before the previous `result()`, with placeholders (`ScheduledRequest.num_pending_tokens`)
       for tokens still in flight.
+    - A runner with `repeatable_steps` keeps no per-request state from one step to the next: after
+      `execute(batch)` raised, running the batch again, or parts of it, is safe (the engine core
+      then isolates the failing request instead of stopping).
     """
 
     name: str = "base"
     supports_async_scheduling: ClassVar[bool] = False
+    repeatable_steps: ClassVar[bool] = False
 
     @abc.abstractmethod
     def determine_num_blocks(self) -> int: ...

@@ -4,6 +4,10 @@ Startup contract: the lifespan starts loading (engine-core process and tokenizer
 background and returns at once, so `/health` and `/ready` answer while the model loads (`/ready`
 is 503 until it is done). A load failure is reported through `on_fatal` (the CLI exits non-zero)
 and leaves `/health` at 503. Shutdown stops the engine-core process.
+
+Middleware, outermost first: the status counter (every answer is counted, refusals of the
+others included), the internal-error guard (unexpected exceptions become a logged 500 without
+internals), the API key (401 before anything is read), the body limits (413, 408).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from davit_engine.config import EngineConfig
 from davit_engine.ipc.client import AsyncEngineClient
 from davit_engine.ipc.core_process import DEFAULT_CORE_FACTORY
 from davit_engine.ipc.errors import EngineDeadError
-from davit_engine.server.errors import install_error_handlers
+from davit_engine.server.auth import APIKeyMiddleware
+from davit_engine.server.connections import RequestBodyLimits
+from davit_engine.server.errors import InternalErrorMiddleware, install_error_handlers
 from davit_engine.server.metrics import HTTPStatusMiddleware
 from davit_engine.server.routes import chat, completions, ops
 from davit_engine.server.state import ServerSettings, ServerState
@@ -94,13 +100,26 @@ def create_app(
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
+            state.preparer.shutdown()
             await client.shutdown()
 
     app = FastAPI(title="Davit engine", version=davit_engine.__version__, lifespan=lifespan)
     app.state.davit = state
     install_error_handlers(app)
-    app.add_middleware(HTTPStatusMiddleware, metrics=lambda: state.metrics)
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(ops.router)
+    routers = (chat.router, completions.router, ops.router)
+    for router in routers:
+        app.include_router(router)
+    # Each add_middleware wraps what was added before: the last one added runs first.
+    app.add_middleware(
+        RequestBodyLimits,
+        max_bytes=settings.max_request_body_bytes,
+        timeout_s=settings.request_read_timeout_s,
+    )
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(InternalErrorMiddleware)
+    routes = frozenset(
+        str(route.path) for router in routers for route in router.routes if hasattr(route, "path")
+    )
+    app.add_middleware(HTTPStatusMiddleware, metrics=lambda: state.metrics, routes=routes)
     return app

@@ -4,6 +4,10 @@ Lifecycle contract: `admit()` either raises an OpenAIError (nothing is left in t
 returns a `Generation` that the caller must `close()` exactly when it stops caring (normally
 after the last piece; also on client disconnect). `close()` aborts the request in the core if it
 had not finished, which frees its KV blocks, and records the request's metrics.
+
+A generation ends early with an OpenAIError from `pieces()`: 503 when the core died, 500 when
+the core failed this request alone (after a last piece with finish reason "error"), 503 when
+the server cut it off at the end of a drain (after a last piece with finish reason "abort").
 """
 
 from __future__ import annotations
@@ -22,10 +26,27 @@ from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.output.processor import OutputPiece, OutputProcessor
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from davit_engine.types import EngineRequest, RequestDelta, SamplingParams
+from davit_engine.types import (
+    INT64_MAX,
+    INT64_MIN,
+    EngineRequest,
+    FinishReason,
+    RequestDelta,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from davit_engine.server.state import ServerState
+
+
+class RequestCutOff(Exception):
+    """The server ended the request before it finished (its message says why)."""
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: seed + index, wrapped to stay a 64-bit signed integer."""
+    span = INT64_MAX - INT64_MIN + 1
+    return (seed + index - INT64_MIN) % span + INT64_MIN
 
 
 class Generation:
@@ -66,7 +87,19 @@ class Generation:
                 deltas = await self.stream.take()
             except EngineDeadError as exc:
                 raise OpenAIError(503, f"the engine stopped: {exc}") from exc
-            yield self._process(merge_deltas(deltas))
+            except RequestCutOff as exc:
+                yield OutputPiece("", 0, finish_reason=FinishReason.ABORT.value)
+                raise OpenAIError(503, str(exc)) from exc
+            delta = merge_deltas(deltas)
+            yield self._process(delta)
+            if delta.finish_reason is FinishReason.ERROR:
+                raise OpenAIError(
+                    500, f"the engine failed while running this request: {delta.error}"
+                )
+
+    def cut_off(self, reason: str) -> None:
+        """End `pieces()` early with RequestCutOff(reason) (after the deltas already here)."""
+        self.stream.fail(RequestCutOff(reason))
 
     def _process(self, delta: RequestDelta) -> OutputPiece:
         metrics = self.state.metrics
@@ -93,6 +126,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.state.untrack(self)
         self.state.end_request()
         metrics = self.state.metrics
         if not self.output.finished:
@@ -155,7 +189,9 @@ async def admit(
     except BaseException:
         state.end_request()
         raise
-    return Generation(state, request_id, stream, output, arrival, index, prompt_index)
+    generation = Generation(state, request_id, stream, output, arrival, index, prompt_index)
+    state.track(generation)
+    return generation
 
 
 class Choices:
@@ -234,16 +270,18 @@ async def admit_choices(
     """Admit `body.n` generations per prompt (choice index = prompt index * n + j), or none at
     all.
 
-    With a seed, choice j samples with seed + j, so choices differ yet stay reproducible.
+    With a seed, choice j samples with seed + j (wrapped to 64 bits), so choices differ yet
+    stay reproducible. Raises ParamError when the choices could never all be admitted.
     """
     n = body.n
+    state.check_capacity(len(prompts) * n, "n" if n > 1 else "prompt")
     admitted: list[Generation] = []
     try:
         for prompt_index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
             for j in range(n):
                 seeded = sampling
                 if j and sampling.seed is not None:
-                    seeded = dataclasses.replace(sampling, seed=sampling.seed + j)
+                    seeded = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, j))
                 index = prompt_index * n + j
                 admitted.append(
                     await admit(

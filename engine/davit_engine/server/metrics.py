@@ -115,7 +115,7 @@ class ServerMetrics:
         # analysis divides the non-2xx answers by all answers of the generation routes.
         self._http_requests = Counter(
             "http_requests",
-            "HTTP responses of the generation routes, by route, method and status code.",
+            "HTTP responses, by route, method and status code.",
             ["handler", "method", "status"],
             registry=self.registry,
         )
@@ -134,35 +134,51 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-# Only these paths are counted: a label per arbitrary path would let clients grow the series.
-COUNTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
+# The handler label of a path that is none of the app's routes: a label per arbitrary path
+# would let clients grow the series.
+UNKNOWN_ROUTE = "none"
+
 
 class HTTPStatusMiddleware:
-    """Plain ASGI middleware counting the status each generation request was answered with.
+    """Plain ASGI middleware counting the status every HTTP request was answered with.
 
-    It reads the status from the `http.response.start` message, so streamed responses are
-    counted once, when their headers go out, and nothing is buffered.
+    The outermost of the app's own middleware, so refusals by the others (401, 408, 413) and
+    the 500s of unexpected errors are counted too. The handler label is the route's path when
+    it is one of `routes`, else UNKNOWN_ROUTE. It reads the status from the
+    `http.response.start` message, so streamed responses are counted once, when their headers
+    go out, and nothing is buffered; an exception before that counts as 500.
     """
 
-    def __init__(self, app: Any, metrics: Callable[[], ServerMetrics]) -> None:
+    def __init__(
+        self, app: Any, metrics: Callable[[], ServerMetrics], routes: frozenset[str]
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope.get("type") != "http" or path not in COUNTED_ROUTES:
+        if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
+        handler = path if path in self.routes else UNKNOWN_ROUTE
         method = scope.get("method", "")
+        counted = False
 
         async def counting_send(message: dict[str, Any]) -> None:
-            if message.get("type") == "http.response.start":
-                self.metrics().http_response(path, method, int(message["status"]))
+            nonlocal counted
+            if message.get("type") == "http.response.start" and not counted:
+                counted = True
+                self.metrics().http_response(handler, method, int(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not counted:
+                self.metrics().http_response(handler, method, 500)
+            raise

@@ -9,8 +9,13 @@ from davit_engine.tokenizer import Tokenizer
 from davit_engine.types import ParamError
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """Render the messages with the model's chat template. Raises ParamError("messages")."""
+def chat_prompt_ids(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, content_special_tokens: bool = False
+) -> list[int]:
+    """Render the messages with the model's chat template. Raises ParamError("messages").
+
+    Special-token text in message content stays text unless `content_special_tokens`.
+    """
     messages: list[dict[str, Any]] = []
     for message in request.messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text}
@@ -18,7 +23,9 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
             entry["name"] = message.name
         messages.append(entry)
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=request.add_generation_prompt
+        messages,
+        add_generation_prompt=request.add_generation_prompt,
+        content_special_tokens=content_special_tokens,
     )
 
 

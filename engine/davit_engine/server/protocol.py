@@ -1,7 +1,9 @@
 """OpenAI protocol models: one pydantic model per request and response body.
 
 Requests are strict (a string where a number belongs is a 400 naming the field, not a silent
-conversion) and ignore unknown fields, as OpenAI clients add new ones over time. What a request
+conversion; `NaN` and `Infinity` are refused where a number belongs; text anywhere in the body,
+unknown fields and keys included, must be valid Unicode: no lone surrogate escapes) and ignore
+unknown fields, as OpenAI clients add new ones over time. What a request
 body may hold is checked here, in one place: its types by pydantic, and by each request's
 `check()` the shapes this engine does not serve (empty prompts or messages, too many choices,
 fields it does not implement). Conversion to the engine's internal types, with the sampling
@@ -10,9 +12,11 @@ parameters' own validation, happens in `sampling.py`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from davit_engine.types import ParamError
 
@@ -22,15 +26,58 @@ MAX_CHOICES = 128
 MAX_PROMPTS = 64
 
 
+# A UTF-16 surrogate code point in a decoded string: JSON's \ud800-style escapes let a body
+# carry one without a pair, and such text cannot be encoded (tokenizers and responses fail).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = "lone_surrogate"
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a surrogate."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            key_text = str(key)
+            child = f"{path}.{key_text}" if path else key_text
+            if _SURROGATE.search(key_text):
+                return child
+            found = find_lone_surrogate(item, child)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class _Body(_Request):
+    """A whole request body: its raw JSON is checked for lone surrogates before validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "'{param}' is not valid Unicode: it holds a lone UTF-16 surrogate escape",
+                {"param": path or "body"},
+            )
+        return data
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI plus upstream extras)."""
 
     model: str | None = None

@@ -1,26 +1,35 @@
 """The server's shared state: engine client, tokenizer, metrics, readiness and drain.
 
 Readiness contract: `/ready` is 200 only while the model is loaded, the core runs and no drain
-has begun. Drain contract: after `begin_drain()`, new generation requests get 503, in-flight
-ones run to completion, and `wait_drained(timeout)` returns once none is left (aborting the rest
-when the timeout passes).
+has begun. Drain contract: after `begin_drain()`, new generation requests get 503 and in-flight
+ones run to completion; `drain(timeout)` waits for them, and when the timeout passes it ends the
+rest itself: each open stream gets a last chunk with finish reason "abort" and an error event
+(a JSON request answers 503), instead of a connection cut without a word.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
 from davit_engine.server.metrics import ServerMetrics
+from davit_engine.server.preparation import PromptPreparer
 from davit_engine.tokenizer import Tokenizer
-from davit_engine.types import EngineRequest, EngineStats
+from davit_engine.types import EngineRequest, EngineStats, ParamError
+
+if TYPE_CHECKING:
+    from davit_engine.server.generation import Generation
 
 logger = logging.getLogger(__name__)
+
+# After the drain timeout ended the open requests, how long their handlers get to write the
+# last events before the server closes the connections.
+_CUT_OFF_GRACE_S = 2.0
 
 
 class EngineClientLike(Protocol):
@@ -42,6 +51,11 @@ class EngineClientLike(Protocol):
     async def get_stats(self, timeout_s: float = 5.0) -> EngineStats: ...
 
 
+# Large enough for a long-context prompt: a 1M-token context as text (about 4 MB) or as token
+# ids in JSON (about 7 MB), with room for several prompts in one request.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Front-end settings that are not engine configuration."""
@@ -50,6 +64,15 @@ class ServerSettings:
     port: int = 8000
     drain_timeout_s: float = 30.0
     startup_timeout_s: float | None = None  # None: wait for the model as long as it takes
+    # Bearer key every route but /health, /ready and /metrics requires; None: open. Kept out
+    # of the repr so that logging the settings never shows it.
+    api_key: str | None = field(default=None, repr=False)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies: 413
+    # A client gets this long to send a request's headers (from connecting, or from the end
+    # of its previous response) and, separately, its whole body; then it is dropped.
+    request_read_timeout_s: float = 60.0
+    # Whether special-token text inside chat message content is parsed as control tokens.
+    allow_special_tokens_in_content: bool = False
 
 
 class ServerState:
@@ -70,6 +93,9 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.num_in_flight = 0
+        self.cut_off_reason: str | None = None  # set when the drain timeout ended requests
+        self.preparer = PromptPreparer()
+        self._live: set[Generation] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -128,6 +154,21 @@ class ServerState:
         if not self.client.is_alive:
             raise OpenAIError(503, f"the engine is not running: {self.client.dead_reason}")
 
+    def check_capacity(self, num_choices: int, param: str) -> None:
+        """Refuse (ParamError naming `param`) a request whose choices could never all be
+        admitted, however long the client waited: a 400 that says why, not a 429 forever."""
+        queue = self.config.max_queue_len
+        if queue is None:
+            return  # an unbounded queue admits any number
+        capacity = self.config.max_num_seqs + queue
+        if num_choices > capacity:
+            raise ParamError(
+                param,
+                f"this request needs {num_choices} sequences at once (prompts x n), and this "
+                f"server admits at most {capacity} (--max-num-seqs {self.config.max_num_seqs} "
+                f"plus --max-queue-len {queue}); ask for fewer choices or send fewer prompts",
+            )
+
     # --- in-flight accounting and drain ---------------------------------------------------
 
     def begin_request(self) -> None:
@@ -139,6 +180,30 @@ class ServerState:
         assert self.num_in_flight >= 0, "end_request without begin_request"
         if self.num_in_flight == 0:
             self._idle.set()
+
+    def track(self, generation: Generation) -> None:
+        """Remember an admitted generation until `untrack`, so a drain can end it."""
+        self._live.add(generation)
+        if self.cut_off_reason is not None:
+            generation.cut_off(self.cut_off_reason)
+
+    def untrack(self, generation: Generation) -> None:
+        self._live.discard(generation)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Begin the drain and wait for the in-flight requests (True when they all finished
+        within `timeout_s`); then end the rest, as the module says."""
+        self.begin_drain()
+        if await self.wait_drained(timeout_s):
+            return True
+        self.cut_off_reason = (
+            f"the server shut down before this request finished (the drain timeout of "
+            f"{timeout_s:g} s passed); retry it on another replica"
+        )
+        for generation in list(self._live):
+            generation.cut_off(self.cut_off_reason)
+        await self.wait_drained(_CUT_OFF_GRACE_S)
+        return False
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -152,8 +217,6 @@ class ServerState:
             return True
         except TimeoutError:
             logger.warning(
-                "drain timeout (%.0f s) passed with %d request(s) in flight; aborting them",
-                timeout_s,
-                self.num_in_flight,
+                "%.0f s passed with %d request(s) in flight", timeout_s, self.num_in_flight
             )
             return False

@@ -2,13 +2,16 @@
 
 It implements exactly the EngineCore surface the core process drives (`model_info`,
 `add_request`, `abort_requests`, `step`, `has_unfinished_requests`, `stats`, `shutdown`) around
-the REAL scheduler and block manager, so admission control, queue limits, aborts freeing blocks
-and prefix-cache counters behave as in the engine. Only the model is replaced: the "runner"
-spells out a fixed text as byte tokens (the byte tokenizer's ids), so responses are
-predictable, and each step sleeps `DAVIT_FAKE_STEP_S` seconds (default 0.01) to give tests a
-window for disconnects, overload and drain.
+the REAL scheduler, block manager, step pipeline and failure isolation, so admission control,
+queue limits, aborts freeing blocks, prefix-cache counters and per-request failures behave as
+in the engine. Only the model is replaced: the runner spells out a fixed text as byte tokens
+(the byte tokenizer's ids), so responses are predictable, and each step sleeps
+`DAVIT_FAKE_STEP_S` seconds (default 0.01) to give tests a window for disconnects, overload and
+drain.
 
-Prompts containing the byte string "CRASH" make `step()` raise, to test a dying core.
+A prompt containing the byte string "CRASH" makes every runner step that includes it raise
+(one request's failure, which the engine isolates); one containing "FATAL" makes the core's
+next `step()` raise (a dying core).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
+from davit_engine.isolating_runner import isolating
+from davit_engine.runner.base import ModelRunner
+from davit_engine.step_pipeline import StepPipeline
 from davit_engine.types import EngineRequest, EngineStats, ParamError, RequestDelta, TokenLogprob
 
 SCRIPT = "The quick brown fox jumps over the lazy dog. "
@@ -50,11 +56,55 @@ def script_token(position: int, seed: int | None) -> int:
     return SCRIPT.encode()[(position + offset) % len(SCRIPT)]
 
 
+def _prompt_bytes(token_ids: list[int], num_prompt_tokens: int) -> bytes:
+    return bytes(t for t in token_ids[:num_prompt_tokens] if t < 256)
+
+
+class FakeRunner(ModelRunner):
+    """Spells out SCRIPT; keeps no per-request state, so its steps can run again."""
+
+    name = "fake"
+    repeatable_steps = True
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def determine_num_blocks(self) -> int:
+        return NUM_BLOCKS
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """No cache: the fake model computes nothing."""
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        time.sleep(self.step_s)
+        sampled: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        for sreq in batch.scheduled:
+            if b"CRASH" in _prompt_bytes(sreq.token_ids, sreq.num_prompt_tokens):
+                raise RuntimeError("the fake model failed on one request")
+            if not sreq.needs_sample:
+                sampled.append(None)
+                logprobs.append(None)
+                continue
+            token = script_token(sreq.num_output_tokens, sreq.sampling.seed)
+            sampled.append(token)
+            n = sreq.sampling.logprobs
+            if n is None:
+                logprobs.append(None)
+            else:
+                top = [(token, -0.25), (token + 1, -1.5), (token + 2, -2.5)][:n]
+                logprobs.append(TokenLogprob(token, -0.25, top))
+        return RunnerOutput(sampled, logprobs)
+
+
 class FakeEngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.step_s = float(os.environ.get("DAVIT_FAKE_STEP_S", "0.01"))
+        step_s = float(os.environ.get("DAVIT_FAKE_STEP_S", "0.01"))
         max_model_len = min(config.max_model_len or MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.scheduler = Scheduler(config, num_blocks=NUM_BLOCKS, max_model_len=max_model_len)
+        self.isolation = isolating(FakeRunner(step_s), self.scheduler)
+        self.pipeline = StepPipeline(self.scheduler, self.isolation, async_scheduling=False)
+        self._fatal = False
         self.model_info = FakeModelInfo(
             served_model_name=config.model_name,
             max_model_len=self.scheduler.max_model_len,
@@ -69,41 +119,26 @@ class FakeEngineCore:
         )
 
     def add_request(self, request: EngineRequest) -> None:
+        request.sampling.validate()
         self.scheduler.add_request(request)
+        prompt = request.prompt_token_ids
+        self._fatal |= b"FATAL" in _prompt_bytes(prompt, len(prompt))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.pipeline.has_in_flight
 
     def step(self) -> list[RequestDelta]:
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return self.scheduler.update_from_output(out, RunnerOutput([]))
-        time.sleep(self.step_s)
-        return self.scheduler.update_from_output(out, self._execute(out))
-
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        sampled: list[int | None] = []
-        logprobs: list[TokenLogprob | None] = []
-        for sreq in out.scheduled:
-            if b"CRASH" in bytes(t for t in sreq.token_ids[: sreq.num_prompt_tokens] if t < 256):
-                raise RuntimeError("the fake model crashed on purpose")
-            if not sreq.needs_sample:
-                sampled.append(None)
-                logprobs.append(None)
-                continue
-            token = script_token(sreq.num_output_tokens, sreq.sampling.seed)
-            sampled.append(token)
-            n = sreq.sampling.logprobs
-            if n is None:
-                logprobs.append(None)
-            else:
-                top = [(token, -0.25), (token + 1, -1.5), (token + 2, -2.5)][:n]
-                logprobs.append(TokenLogprob(token, -0.25, top))
-        return RunnerOutput(sampled, logprobs)
+        if self._fatal:
+            raise RuntimeError(
+                "the fake engine core failed on purpose, in /opt/davit/fake_core.py line 1"
+            )
+        deltas = self.pipeline.step()
+        deltas.extend(self.isolation.take_failed())
+        return deltas
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

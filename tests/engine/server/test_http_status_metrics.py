@@ -31,11 +31,14 @@ def test_generation_answers_are_counted_by_status(fake_server: FakeServer) -> No
             assert response.status_code == 200
             response.read()
         http.get("/v1/models")
+        http.get("/no/such/path/123")
         after = http.get("/metrics").text
     assert _count(after, "/v1/completions", "200") - _count(before, "/v1/completions", "200") == 2
     assert _count(after, "/v1/completions", "400") - _count(before, "/v1/completions", "400") == 1
     chat_404 = _count(after, "/v1/chat/completions", "404")
     assert chat_404 - _count(before, "/v1/chat/completions", "404") == 1
-    # Other routes make no series: clients cannot grow the label set.
-    assert 'handler="/v1/models"' not in after
+    assert 'handler="/v1/models",method="GET",status="200"' in after
+    # Paths that are no route share one label: clients cannot grow the label set.
+    assert "/no/such/path" not in after
+    assert 'handler="none",method="GET",status="404"' in after
     assert f'model_name="{MODEL}"' in after

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from davit_engine.output.processor import LogprobEntry
 from davit_engine.server.generation import Choices, admit_choices
+from davit_engine.server.preparation import prompt_size
 from davit_engine.server.prompts import chat_prompt_ids
 from davit_engine.server.protocol import (
     AssistantMessage,
@@ -31,7 +32,7 @@ from davit_engine.server.sampling import sampling_params
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
 }
 
 
@@ -58,7 +59,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     state.check_accepting()
     body.check()
-    prompt_ids = chat_prompt_ids(body, state.tokenizer)
+    prompt_ids = await state.preparer.run(
+        prompt_size(body),
+        chat_prompt_ids,
+        body,
+        state.tokenizer,
+        state.settings.allow_special_tokens_in_content,
+    )
     sampling = sampling_params(
         body, len(prompt_ids), state.max_model_len, state.config.max_logprobs
     )

@@ -16,7 +16,7 @@ from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
 from davit_engine.output.processor import LogprobEntry
-from davit_engine.server.errors import OpenAIError, error_payload
+from davit_engine.server.errors import OpenAIError, error_payload, log_internal_error
 from davit_engine.server.generation import Choices
 from davit_engine.server.protocol import PromptTokensDetails, Usage
 from davit_engine.server.state import ServerState
@@ -79,7 +79,8 @@ def event_stream(choices: Choices, events: AsyncIterator[bytes]) -> EventSourceR
 
     One route answers both JSON and SSE depending on the body's `stream`, and admission errors
     must keep their status code, so this is a plain route returning FastAPI's
-    EventSourceResponse with FastAPI's own event framing, not a generator route. The
+    EventSourceResponse with FastAPI's own event framing, not a generator route. An error
+    mid-stream ends it with an error event (and [DONE]), never with a cut connection. The
     background task runs after the stream ends and also when starlette cancels the stream on a
     client disconnect, even if it was cancelled before its first event.
     """
@@ -90,6 +91,8 @@ def event_stream(choices: Choices, events: AsyncIterator[bytes]) -> EventSourceR
                 yield event
         except OpenAIError as exc:
             yield sse_error(exc)
+        except Exception as exc:  # logged with its traceback; the client gets the error id
+            yield sse_error(log_internal_error("POST", "(stream)", exc))
         finally:
             choices.close()
         yield DONE

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from davit_engine.output.processor import LogprobEntry
 from davit_engine.server.generation import Choices, admit_choices
+from davit_engine.server.preparation import prompt_size
 from davit_engine.server.prompts import completion_prompts
 from davit_engine.server.protocol import (
     CompletionChoice,
@@ -30,7 +31,7 @@ from davit_engine.server.sampling import sampling_params
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
 }
 
 
@@ -55,7 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_model(body.model)
     state.check_accepting()
     body.check()
-    prompts = completion_prompts(body, state.tokenizer)
+    prompts = await state.preparer.run(prompt_size(body), completion_prompts, body, state.tokenizer)
     max_model_len, max_logprobs = state.max_model_len, state.config.max_logprobs
     samplings = [sampling_params(body, len(p), max_model_len, max_logprobs) for p in prompts]
     choices = await admit_choices(state, body, prompts, samplings, "cmpl")

@@ -1,0 +1,163 @@
+"""One request's failure inside a step fails that request only.
+
+A step runs every scheduled request in one batch, so an exception from the runner does not say
+whose it is: a custom logits processor that raises on one request's tokens, a value that one
+request's parameters push out of range. `IsolatingRunner` wraps the engine's runner; when a
+step raises, it runs the step's requests again in halves, then halves of the failing half, and
+so on, until each failing request ran alone. Those requests are finished with
+`FinishReason.ERROR` (`take_failed()` hands their deltas to the engine core, which sends them
+like any other); every other request gets its token from the smaller runs, so its output is
+exactly what the whole step would have given it.
+
+This needs a runner whose steps can run again after one raised (`ModelRunner.repeatable_steps`:
+no per-request state carried from step to step). With any other runner a failing step stays
+fatal, as the engine core's contract says, since half-applied state cannot be trusted. Also
+fatal: a step where every one of several requests fails alone (the failure is not any one
+request's), and MAX_FAILED_STEPS steps in a row where nothing ran (a broken device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+from davit_engine.core.scheduler import Scheduler
+from davit_engine.runner.base import ModelRunner, PendingOutput
+from davit_engine.types import FinishReason, RequestDelta
+
+logger = logging.getLogger(__name__)
+
+# Steps in a row that failed for every request before the core gives up.
+MAX_FAILED_STEPS = 8
+
+
+class IsolatingRunner(ModelRunner):
+    """Delegates to `runner`; isolates a failing step's requests (see the module)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.name = runner.name
+        self._failed: list[RequestDelta] = []
+        self._failed_steps = 0
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+    def take_failed(self) -> list[RequestDelta]:
+        """ERROR deltas of the requests that failed since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        try:
+            output = self.runner.execute(batch)
+        except Exception as exc:
+            if not batch.scheduled or not self.runner.repeatable_steps:
+                raise
+            return self._isolate(batch, exc)
+        self._failed_steps = 0
+        return output
+
+    def _isolate(self, batch: SchedulerOutput, error: Exception) -> RunnerOutput:
+        scheduled = batch.scheduled
+        logger.warning(
+            "a step of %d request(s) failed (%s: %s); running them in smaller batches to find "
+            "the failing one(s)",
+            len(scheduled),
+            type(error).__name__,
+            error,
+        )
+        outputs: list[tuple[list[int], RunnerOutput]] = []
+        failures: list[tuple[int, Exception]] = []
+
+        def run(rows: list[int], known_failure: Exception | None) -> None:
+            if known_failure is None:
+                part = dataclasses.replace(batch, scheduled=[scheduled[i] for i in rows])
+                try:
+                    outputs.append((rows, self.runner.execute(part)))
+                    return
+                except Exception as exc:
+                    known_failure = exc
+            if len(rows) == 1:
+                failures.append((rows[0], known_failure))
+                return
+            middle = len(rows) // 2
+            run(rows[:middle], None)
+            run(rows[middle:], None)
+
+        run(list(range(len(scheduled))), error)
+        if outputs:
+            self._failed_steps = 0
+        else:
+            self._failed_steps += 1
+            if len(scheduled) > 1 or self._failed_steps >= MAX_FAILED_STEPS:
+                raise error  # nothing ran: not one request's failure
+        for row, exc in failures:
+            self._fail(scheduled[row].request_id, exc)
+        return merge_outputs(outputs, len(scheduled))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        logger.error("request %s failed in the engine; finishing it", request_id, exc_info=error)
+        request = self.scheduler.get_request(request_id)
+        if request is None or not self.scheduler.abort(request_id):
+            return
+        self._failed.append(
+            RequestDelta(
+                request_id=request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                error=type(error).__name__,
+            )
+        )
+
+    def execute_async(self, batch: SchedulerOutput) -> PendingOutput:
+        # Launches are not isolated: a launched step cannot be run again in parts.
+        return self.runner.execute_async(batch)
+
+
+class AsyncIsolatingRunner(IsolatingRunner):
+    """The wrapper of a runner that schedules asynchronously."""
+
+    supports_async_scheduling = True
+
+
+def isolating(runner: ModelRunner, scheduler: Scheduler) -> IsolatingRunner:
+    """`runner` wrapped, keeping its asynchronous-scheduling capability."""
+    if runner.supports_async_scheduling:
+        return AsyncIsolatingRunner(runner, scheduler)
+    return IsolatingRunner(runner, scheduler)
+
+
+def merge_outputs(outputs: Sequence[tuple[list[int], RunnerOutput]], num_rows: int) -> RunnerOutput:
+    """The outputs of runs over some rows of a batch as one output for all `num_rows` rows.
+
+    Every field of RunnerOutput is one entry per row, or None; a row no run covered gets None
+    (its request failed and is finished already).
+    """
+    columns: dict[str, Any] = {}
+    for column in dataclasses.fields(RunnerOutput):
+        merged: list[Any] | None = None
+        for rows, output in outputs:
+            values = getattr(output, column.name)
+            if values is None:
+                continue
+            if merged is None:
+                merged = [None] * num_rows
+            for value, row in zip(values, rows, strict=True):
+                merged[row] = value
+        columns[column.name] = merged
+    if columns["sampled_token_ids"] is None:
+        columns["sampled_token_ids"] = [None] * num_rows
+    return RunnerOutput(**columns)
