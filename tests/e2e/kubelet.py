@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -246,9 +247,14 @@ class EngineKubelet:
         mounts = self._mount_map(pod, scratch)
         argv = [self._map(arg, mounts) for arg in [*(spec.command or []), *(spec.args or [])]]
         argv = [ip if a == "0.0.0.0" else a for a in argv]
-        if argv and shutil.which(argv[0]):
-            argv[0] = str(shutil.which(argv[0]))
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(scratch)}
+        # The "image" is the environment the tests run in: its scripts (`davit`) come first,
+        # whether or not that environment is activated.
+        path = os.pathsep.join(
+            [os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]
+        )
+        if argv and shutil.which(argv[0], path=path):
+            argv[0] = str(shutil.which(argv[0], path=path))
+        env = {"PATH": path, "HOME": str(scratch)}
         for var in spec.env or []:
             if var.value is not None:
                 env[var.name] = self._map(var.value, mounts)
