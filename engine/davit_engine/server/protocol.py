@@ -39,7 +39,9 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             key_text = str(key)
-            child = f"{path}.{key_text}" if path else key_text
+            # The path goes back in the error body: a surrogate in it is written escaped.
+            name = key_text.encode("utf-8", "backslashreplace").decode("utf-8")
+            child = f"{path}.{name}" if path else name
             if _SURROGATE.search(key_text):
                 return child
             found = find_lone_surrogate(item, child)

@@ -217,6 +217,6 @@ class ServerState:
             return True
         except TimeoutError:
             logger.warning(
-                "%.0f s passed with %d request(s) in flight", timeout_s, self.num_in_flight
+                "%g s passed with %d request(s) in flight", timeout_s, self.num_in_flight
             )
             return False

@@ -16,7 +16,7 @@ import pytest
 
 from davit_engine.config import EngineConfig
 from davit_engine.server.app import create_app
-from davit_engine.server.state import ServerState
+from davit_engine.server.state import ServerSettings, ServerState
 from davit_engine.tokenizer import ByteTokenizer, Tokenizer
 
 from . import fake_core
@@ -55,13 +55,17 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def serve_fake(step_s: float = 0.01, **config: Any) -> Iterator[FakeServer]:
+def serve_fake(
+    step_s: float = 0.01, settings: ServerSettings | None = None, **config: Any
+) -> Iterator[FakeServer]:
     """The real app and core process, with the fake core stepping every `step_s` seconds."""
     previous = os.environ.get("DAVIT_FAKE_STEP_S")
     os.environ["DAVIT_FAKE_STEP_S"] = str(step_s)  # read by the spawned core process
     try:
         engine_config = EngineConfig(model=MODEL, **config)
-        app = create_app(engine_config, core_factory=FAKE_CORE, tokenizer_loader=byte_tokenizer)
+        app = create_app(
+            engine_config, settings, core_factory=FAKE_CORE, tokenizer_loader=byte_tokenizer
+        )
         with threaded_server(app) as base_url:
             yield FakeServer(base_url, app.state.davit)
     finally:

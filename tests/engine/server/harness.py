@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from davit_engine.server.connections import uvicorn_config
 from tests.support import reference_gguf
 
 
@@ -51,9 +53,11 @@ def wait_ready(base_url: str, timeout_s: float, alive: object = None) -> None:
 
 @contextlib.contextmanager
 def threaded_server(app: FastAPI, ready_timeout_s: float = 60.0) -> Iterator[str]:
-    """Serve `app` with uvicorn on a background thread; yields the base URL."""
+    """Serve `app` on a background thread as `davit serve` serves it (the same uvicorn
+    configuration, with the app's settings, on a free port); yields the base URL."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    settings = dataclasses.replace(app.state.davit.settings, host="127.0.0.1", port=port)
+    config = uvicorn_config(app, settings, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -74,16 +78,18 @@ def smollm2_gguf() -> Path:
 class ServeProcess:
     """`davit serve ...` as a child process, with its output kept in a log file."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
         command = [sys.executable, "-m", "davit_cli", "serve", *args]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     def alive(self) -> bool:
