@@ -31,6 +31,8 @@ CPU_KV_BUDGET_BYTES = CPU_KV_CAP_BYTES
 
 class RunnerV1(PagedKvRunner):
     name = "v1"
+    # Inputs are rebuilt from the batch every step: a failed step can run again (in parts).
+    repeatable_steps = True
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
         super().__init__(config, loaded, device, TorchPagedAttention())
