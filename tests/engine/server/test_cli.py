@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from davit_engine.server.auth import API_KEY_ENV
 from davit_engine.server.cli import parse_args
+from davit_engine.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def test_flags_map_onto_the_engine_config() -> None:
@@ -66,3 +68,52 @@ def test_missing_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
         parse_args([])
     assert exit_info.value.code == 2
     assert "model" in capsys.readouterr().err
+
+
+def test_hardening_flags_map_onto_the_server_settings() -> None:
+    _, settings, _ = parse_args(
+        ["m.gguf", "--api-key", "k1", "--max-request-body-bytes", "4096"]
+        + ["--request-read-timeout", "2.5", "--allow-special-tokens-in-content"]
+    )
+    assert settings.api_key == "k1" and settings.max_request_body_bytes == 4096
+    assert settings.request_read_timeout_s == 2.5
+    assert settings.allow_special_tokens_in_content is True
+    _, defaults, _ = parse_args(["m.gguf"])
+    assert defaults.max_request_body_bytes == DEFAULT_MAX_REQUEST_BODY_BYTES
+    assert defaults.allow_special_tokens_in_content is False
+    assert "k1" not in repr(settings)
+
+
+def test_the_api_key_comes_from_the_environment_unless_the_flag_is_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert parse_args(["m.gguf"])[1].api_key == "from-env"
+    assert parse_args(["m.gguf", "--api-key", "flag"])[1].api_key == "flag"
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert parse_args(["m.gguf"])[1].api_key is None
+    monkeypatch.setenv(API_KEY_ENV, "never-printed")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "never-printed" not in help_text and API_KEY_ENV in help_text
+    assert "--max-request-body-bytes" in help_text and "413" in help_text
+    assert "--allow-special-tokens-in-content" in help_text
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+        (["--request-read-timeout", "0"], "--request-read-timeout"),
+        (["--request-read-timeout", "inf"], "--request-read-timeout"),
+        (["--request-read-timeout", "nan"], "--request-read-timeout"),
+    ],
+)
+def test_bad_hardening_flags_name_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["m.gguf", *argv])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
