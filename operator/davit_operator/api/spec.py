@@ -137,6 +137,23 @@ class ModelSpec(CrdModel):
     )
 
 
+class SecretKeySelector(CrdModel):
+    """One key of a Secret in the InferenceService's namespace."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The Secret's name.",
+    )
+    key: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key within the Secret whose value is used.",
+    )
+
+
 class EngineSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -208,6 +225,14 @@ class EngineSpec(CrdModel):
         default_factory=list,
         max_length=64,
         description="Additional engine command-line arguments, appended after the derived ones.",
+    )
+    api_key_secret_ref: SecretKeySelector | None = Field(
+        default=None,
+        description=(
+            "A Secret key holding the API key the engine requires on its API routes "
+            "(Authorization: Bearer KEY; /health, /ready and /metrics stay open). Passed as the "
+            "VLLM_API_KEY environment variable from the Secret, never in arguments or status."
+        ),
     )
 
 

@@ -21,7 +21,12 @@ from davit_operator.builders.metadata import (
     object_metadata,
     selector_labels,
 )
-from davit_operator.builders.pod import engine_volume_mounts, engine_volumes, scheduling
+from davit_operator.builders.pod import (
+    engine_volume_mounts,
+    engine_volumes,
+    scheduling,
+    serving_env,
+)
 from davit_operator.planning.plan import Plan
 
 Track = Literal["stable", "canary"]
@@ -60,7 +65,7 @@ def _container(plan: Plan) -> dict[str, Any]:
         "image": plan.image.reference,
         "command": plan.invocation.command,
         "args": plan.invocation.args,
-        "env": plan.invocation.env,
+        "env": serving_env(plan),
         "ports": [{"name": "http", "containerPort": plan.port, "protocol": "TCP"}],
         "resources": plan.placement.resources,
         "readinessProbe": _probe(plan.health.readiness, 5, 3),

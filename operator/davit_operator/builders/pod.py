@@ -1,4 +1,5 @@
-"""Pod parts the engine Deployment and the profiling Job share: volumes and scheduling."""
+"""Pod parts the engine Deployment and the profiling Job share: volumes, scheduling and the
+serving container's environment."""
 
 from __future__ import annotations
 
@@ -6,6 +7,27 @@ from typing import Any
 
 from davit_operator.planning.args import MODEL_CACHE_DIR
 from davit_operator.planning.plan import Plan
+
+# The variable both engine types read their API key from.
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def serving_env(plan: Plan) -> list[dict[str, Any]]:
+    """The serving container's environment: the planned variables and, with
+    `engine.apiKeySecretRef`, the API key taken from the Secret by reference (the key's value
+    never appears in the pod spec). The typed field wins over a same-named `pod.env` entry."""
+    env = list(plan.invocation.env)
+    ref = plan.spec.engine.api_key_secret_ref
+    if ref is None:
+        return env
+    env = [entry for entry in env if entry.get("name") != API_KEY_ENV]
+    env.append(
+        {
+            "name": API_KEY_ENV,
+            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+        }
+    )
+    return env
 
 
 def engine_volume_mounts(plan: Plan) -> list[dict[str, Any]]:
