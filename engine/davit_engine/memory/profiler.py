@@ -3,7 +3,7 @@
 Called from the runners' `determine_num_blocks()`, after the weights are loaded:
 
 1. weights: what torch's allocator holds right after loading (CUDA), or the parameter bytes
-   (CPU);
+   (CPU); a speculative draft model is loaded with the target, so both count;
 2. activation peak, the larger of two measurements:
    - one dummy forward over `max_num_batched_tokens` tokens, then the sampler over
      `max_num_seqs` rows with top-k and top-p active (the whole-row search path), inside one
@@ -161,7 +161,7 @@ def _unmeasured(
         method="none",
         total_bytes=0,
         budget_bytes=0,
-        weights_bytes=_parameter_bytes(runner.model),
+        weights_bytes=_weight_bytes(runner),
         activation_peak_bytes=0,
         cuda_graph_bytes=0,
         runner_buffer_bytes=0,
@@ -173,6 +173,15 @@ def _unmeasured(
         max_concurrency=round(capacity / max_model_len, 3),
         kv_source="override",
     )
+
+
+def _weight_bytes(runner: Any) -> int:
+    """The target's parameters, plus a speculative draft model's when the runner has one."""
+    total = _parameter_bytes(runner.model)
+    draft = getattr(runner, "draft", None)
+    if draft is not None:
+        total += _parameter_bytes(draft.model)
+    return total
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:
@@ -287,7 +296,7 @@ def _measure_cpu(
     probe_sampler: Callable[[], None],
     probe_steps: Callable[[], int] | None,
 ) -> tuple[str, int, int, int, int, int, int, tuple[int, ...]]:
-    weights = _parameter_bytes(runner.model)
+    weights = _weight_bytes(runner)
     rss_before = _status_kib("VmRSS")
     activation, reset = _activation_peak(runner, dummy_forward, probe_sampler, probe_steps)
     method = "cpu-rss" if reset else "cpu-rss-unreset"

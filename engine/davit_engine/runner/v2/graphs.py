@@ -37,9 +37,10 @@ class DecodeGraphs:
     """Captured decode steps sharing one logits buffer.
 
     `step(num_rows, out)` must read and write only static buffers and write the logits of its
-    `num_rows` rows into `out` (`[num_rows, V]` float32, the first rows of `logits`). The buffer
-    is allocated here, outside the graph pool; `replay(size)` returns `logits[:size]`, valid
-    until the next replay.
+    `num_rows` rows into `out` (`[num_rows * tokens_per_row, V]` float32, the first rows of
+    `logits`). The buffer is allocated here, outside the graph pool; `replay(size)` returns
+    those rows, valid until the next replay. Verification steps of speculative decoding use
+    `tokens_per_row = K + 1` (every position of every row has logits).
     """
 
     def __init__(
@@ -48,17 +49,23 @@ class DecodeGraphs:
         sizes: list[int],
         vocab_size: int,
         device: torch.device,
+        tokens_per_row: int = 1,
+        name: str = "decode",
     ) -> None:
         self._step = step
         self.sizes = sorted(sizes)
-        # logits: [max size, V] float32, written by every graph
-        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        self.tokens_per_row = tokens_per_row
+        self.name = name
+        # logits: [max size * tokens_per_row, V] float32, written by every graph
+        self.logits = torch.empty(
+            self.sizes[-1] * tokens_per_row, vocab_size, dtype=torch.float32, device=device
+        )
         self._graphs: dict[int, Replayable] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     @property
     def logits_bytes(self) -> int:
-        return graph_logits_bytes(self.sizes[-1], self.logits.shape[1])
+        return graph_logits_bytes(self.sizes[-1] * self.tokens_per_row, self.logits.shape[1])
 
     def capture(self) -> None:
         began = time.perf_counter()
@@ -67,9 +74,10 @@ class DecodeGraphs:
             self._graphs[size] = self._capture_size(size)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode graphs (batch %d..%d) in %.1f s: %.2f GiB of graph pool, "
+            "captured %d %s graphs (batch %d..%d) in %.1f s: %.2f GiB of graph pool, "
             "%.2f GiB of shared logits beside it",
             len(self.sizes),
+            self.name,
             self.sizes[0],
             self.sizes[-1],
             time.perf_counter() - began,
@@ -78,7 +86,7 @@ class DecodeGraphs:
         )
 
     def _capture_size(self, size: int) -> Replayable:
-        out = self.logits[:size]
+        out = self.logits[: size * self.tokens_per_row]
         self._step(size, out)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -94,6 +102,7 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of captured size `size`; its logits: `[size, V]` float32."""
+        """Run the graph of captured size `size`; its logits: `[size * tokens_per_row, V]`
+        float32."""
         self._graphs[size].replay()
-        return self.logits[:size]
+        return self.logits[: size * self.tokens_per_row]

@@ -20,6 +20,10 @@ class PendingStep:
     host_tokens: torch.Tensor | None = None  # pinned [>= num_rows] int64
     event: torch.cuda.Event | None = None
     logprobs: LogprobRequest | None = None
+    # Verifying rows (indices into the step's rows) and their verdicts: pinned [>= S, K + 2]
+    # int64, each row's K + 1 tokens then the number of drafts accepted.
+    spec_rows: list[int] = field(default_factory=list)
+    host_spec: torch.Tensor | None = None
     _done: RunnerOutput | None = field(default=None, repr=False)
 
     def result(self) -> RunnerOutput:
@@ -31,6 +35,14 @@ class PendingStep:
         sampled: list[int | None] = [
             t if needs else None for t, needs in zip(tokens, self.needs_sample, strict=True)
         ]
+        spec_token_ids: list[list[int] | None] | None = None
+        if self.spec_rows and self.host_spec is not None:
+            spec_token_ids = [None] * self.num_rows
+            verdicts = self.host_spec[: len(self.spec_rows)].tolist()
+            for row, verdict in zip(self.spec_rows, verdicts, strict=True):
+                num_accepted = verdict[-1]
+                spec_token_ids[row] = verdict[: num_accepted + 1]
+                sampled[row] = None
         logprobs: list[TokenLogprob | None] | None = None
         if self.logprobs is not None:
             logprobs = [None] * self.num_rows
@@ -49,5 +61,7 @@ class PendingStep:
                     else []
                 )
                 logprobs[row] = TokenLogprob(token, chosen[j], top)
-        self._done = RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        self._done = RunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=spec_token_ids
+        )
         return self._done

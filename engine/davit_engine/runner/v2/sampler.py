@@ -19,7 +19,7 @@ from davit_engine.kernels.sampling import sample
 from davit_engine.runner.v2.state import RequestStateTable, StepRows
 
 
-def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+def indices(values: list[int], device: torch.device) -> torch.Tensor:
     """A small index tensor sent without stalling the host (pinned, non-blocking copy)."""
     host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
@@ -48,7 +48,7 @@ def sample_step(
     """Draw (and commit) one token per row; returns the tokens [B] int64 and the logprob work."""
     device = logits.device
     logprob_rows = [i for i, r in enumerate(scheduled) if r.sampling.logprobs is not None]
-    logprob_index = _indices(logprob_rows, device) if logprob_rows else None
+    logprob_index = indices(logprob_rows, device) if logprob_rows else None
     raw_logprobs = (
         torch.log_softmax(logits[logprob_index], dim=-1) if logprob_index is not None else None
     )
@@ -62,7 +62,7 @@ def sample_step(
             banned_rows.extend([i] * len(banned))
             banned_ids.extend(banned)
     if banned_rows:
-        logits[_indices(banned_rows, device), _indices(banned_ids, device)] = float("-inf")
+        logits[indices(banned_rows, device), indices(banned_ids, device)] = float("-inf")
 
     if any(
         r.sampling.repetition_penalty != 1.0

@@ -29,8 +29,9 @@ TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, REPETITION, PRESENCE, FREQUENCY, PROMPT_
 NUM_PARAM_COLUMNS = 9
 _FLOAT_COLUMNS = (TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY)
 # Per-row step vectors, at fixed offsets so captured graphs always read the same addresses.
-ROW_SLOT, ROW_NUM_COMPUTED, ROW_NUM_NEW, ROW_NEEDS_SAMPLE = range(4)
-NUM_ROW_VECTORS = 4
+# ROW_NUM_DRAFTS: real draft tokens a verifying row brings (0 for other rows).
+ROW_SLOT, ROW_NUM_COMPUTED, ROW_NUM_NEW, ROW_NEEDS_SAMPLE, ROW_NUM_DRAFTS = range(5)
+NUM_ROW_VECTORS = 5
 
 
 def _float_bits(value: float) -> int:
@@ -60,6 +61,7 @@ class StepRows:
     num_computed: torch.Tensor  # [B] int32
     num_new: torch.Tensor  # [B] int32
     needs_sample: torch.Tensor  # [B] int32
+    num_drafts: torch.Tensor | None = None  # [B] int32 (verifying rows' real drafts)
 
 
 class RequestStateTable:
@@ -133,9 +135,12 @@ class RequestStateTable:
                 self._free.append(slot)
                 self._num_blocks_sent[slot] = 0
 
-    def stage(self, batch: SchedulerOutput, num_rows: int) -> StepRows:
+    def stage(self, batch: SchedulerOutput, num_rows: int, pad_num_new: int = 1) -> StepRows:
         """Send this step's changes and row vectors; `num_rows >= len(batch.scheduled)` pads
-        with rows on the padding slot (one new token, nothing sampled)."""
+        with rows on the padding slot (`pad_num_new` new tokens, nothing sampled).
+
+        A verifying row's n-gram drafts are written after its last token (positions
+        `num_computed + 1 ...`), where the input preparation reads them."""
         scheduled = batch.scheduled
         num_real = len(scheduled)
         new_params: list[list[int]] = []
@@ -144,12 +149,19 @@ class RequestStateTable:
         block_slots: list[int] = []
         block_cols: list[int] = []
         block_ids: list[int] = []
+        draft_flat: list[int] = []  # slot * max_model_len + position of each n-gram draft
+        draft_tokens: list[int] = []
         row_slots = np.full(num_rows, self.pad_slot, dtype=np.int32)
+        width = self.max_model_len
         for i, req in enumerate(scheduled):
             slot = self._slot_of.get(req.request_id)
             if slot is None or req.is_new:
                 slot = self._admit(req, new_slots, new_params, token_rows)
             row_slots[i] = slot
+            if req.spec_token_ids:
+                first = slot * width + req.num_computed_tokens + 1
+                draft_flat.extend(range(first, first + len(req.spec_token_ids)))
+                draft_tokens.extend(req.spec_token_ids)
             sent = self._num_blocks_sent[slot]
             if len(req.block_ids) > sent:
                 fresh = req.block_ids[sent:]
@@ -161,12 +173,14 @@ class RequestStateTable:
         num_tokens = sum(len(t) for _, t in token_rows)
         num_new = len(new_slots)
         num_appends = len(block_ids)
+        num_drafts = len(draft_tokens)
         sizes = [
             NUM_ROW_VECTORS * num_rows,
             num_new * (1 + NUM_PARAM_COLUMNS),
             3 * len(token_rows),
             num_tokens,
             3 * num_appends,
+            2 * num_drafts,
         ]
         host = self._next_pinned(sum(sizes))
         view = host.numpy()
@@ -176,8 +190,9 @@ class RequestStateTable:
         rows_host[ROW_NUM_COMPUTED, :num_real] = [r.num_computed_tokens for r in scheduled]
         rows_host[ROW_NUM_NEW, :num_real] = [r.num_new_tokens for r in scheduled]
         rows_host[ROW_NEEDS_SAMPLE, :num_real] = [r.needs_sample for r in scheduled]
+        rows_host[ROW_NUM_DRAFTS, :num_real] = [r.num_draft_tokens for r in scheduled]
         rows_host[ROW_NUM_COMPUTED:, num_real:] = 0
-        rows_host[ROW_NUM_NEW, num_real:] = 1
+        rows_host[ROW_NUM_NEW, num_real:] = pad_num_new
         offset += sizes[0]
         if num_new:
             block = view[offset : offset + sizes[1]].reshape(num_new, 1 + NUM_PARAM_COLUMNS)
@@ -198,6 +213,11 @@ class RequestStateTable:
             triples[0] = block_slots
             triples[1] = block_cols
             triples[2] = block_ids
+        offset += sizes[4]
+        if num_drafts:
+            pairs = view[offset : offset + sizes[5]].reshape(2, num_drafts)
+            pairs[0] = draft_flat
+            pairs[1] = draft_tokens
 
         total = sum(sizes)
         self.last_stage_size = total
@@ -208,13 +228,14 @@ class RequestStateTable:
         stage = self._device_stage[:total]
         stage.copy_(host[:total], non_blocking=True)
         self._mark_pinned_used()
-        self._apply(stage, sizes, num_rows, num_new, token_rows, num_appends)
+        self._apply(stage, sizes, num_rows, num_new, token_rows, num_appends, num_drafts)
         rows = self.rows[:, :num_rows]
         return StepRows(
             slot=rows[ROW_SLOT],
             num_computed=rows[ROW_NUM_COMPUTED],
             num_new=rows[ROW_NUM_NEW],
             needs_sample=rows[ROW_NEEDS_SAMPLE],
+            num_drafts=rows[ROW_NUM_DRAFTS],
         )
 
     def _admit(
@@ -251,6 +272,7 @@ class RequestStateTable:
         num_new: int,
         token_rows: list[tuple[int, list[int]]],
         num_appends: int,
+        num_drafts: int = 0,
     ) -> None:
         offset = 0
         self.rows[:, :num_rows].copy_(stage[: sizes[0]].view(NUM_ROW_VECTORS, num_rows))
@@ -269,6 +291,10 @@ class RequestStateTable:
             triples = stage[offset : offset + sizes[4]].view(3, num_appends).long()
             flat = triples[0] * self.max_blocks + triples[1]
             self.block_table.view(-1).index_copy_(0, flat, triples[2].int())
+        offset += sizes[4]
+        if num_drafts:
+            pairs = stage[offset : offset + sizes[5]].view(2, num_drafts)
+            self.token_ids.view(-1).index_copy_(0, pairs[0].long(), pairs[1])
 
     def _next_pinned(self, size: int) -> torch.Tensor:
         if len(self._pinned) < 2:
