@@ -58,6 +58,9 @@ class ModelInfo:
     async_scheduling: bool = False
     # --revision as given (informational for a local directory or a random shape).
     revision: str | None = None
+    # --speculative-config as run (SpeculativeConfig.to_info(): method, K, verification and
+    # whether it is lossy), None without speculative decoding.
+    speculative: dict[str, Any] | None = None
 
 
 class EngineCore:
@@ -121,6 +124,7 @@ class EngineCore:
             memory_profile=self.memory_profile.to_dict() if self.memory_profile else None,
             async_scheduling=async_scheduling,
             revision=config.revision,
+            speculative=config.speculative_config.to_info() if config.speculative_config else None,
         )
         self._aborted: list[RequestDelta] = []
         logger.info(

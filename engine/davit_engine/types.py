@@ -183,3 +183,10 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Speculative decoding (upstream's counters); `spec_verification` labels them: "strict",
+    # "fly" or "synthetic" ("" without speculative decoding).
+    spec_verification: str = ""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)

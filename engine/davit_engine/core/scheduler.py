@@ -29,6 +29,7 @@ with the request.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -574,4 +575,17 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            **self._spec_stats_fields(),
         )
+
+    def _spec_stats_fields(self) -> dict[str, Any]:
+        spec, stats = self.config.speculative_config, self.spec_stats
+        if spec is None or stats is None:
+            return {}
+        return {
+            "spec_verification": spec.verification,
+            "spec_num_drafts": stats.num_drafts,
+            "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_accepted_per_position": list(stats.accepted_per_position),
+        }

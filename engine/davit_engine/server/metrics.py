@@ -68,6 +68,39 @@ class _EngineStatsCollector(Collector):
             "Requests preempted for lack of KV blocks.",
             stats.num_preemptions,
         )
+        if stats.spec_verification:
+            yield from _spec_decode_metrics(self.model_name, stats)
+
+
+def _spec_decode_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """Upstream's speculative-decoding counters, labelled with the verification policy
+    (strict, or the lossy fly / synthetic) so a lossy configuration shows on every series."""
+    labels = ["model_name", "verification"]
+    values = [model_name, stats.spec_verification]
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Verification steps with drafts.", stats.spec_num_drafts),
+        (
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens proposed.",
+            stats.spec_num_draft_tokens,
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.spec_num_accepted_tokens,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0-based).",
+        labels=[*labels, "position"],
+    )
+    for position, value in enumerate(stats.spec_accepted_per_position):
+        per_position.add_metric([*values, str(position)], value)
+    yield per_position
 
 
 class ServerMetrics:
