@@ -123,6 +123,8 @@ def _small(body: Any) -> Any:
     if isinstance(body, dict):
         if "model" in body:
             body["model"] = None  # a random name is a 404 before anything else is looked at
+        if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = 4  # chat's default is the rest of the context
         for key, limit in _COSTLY.items():
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > limit:
