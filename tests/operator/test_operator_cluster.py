@@ -275,6 +275,38 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.features.speculative.numSpeculativeTokens",
     ),
     (
+        "fly with one token",
+        {
+            "features": {
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 1,
+                    "verification": "FLy",
+                }
+            }
+        },
+        "features.speculative.verification FLy needs numSpeculativeTokens >= 2",
+    ),
+    (
+        "fly params under strict",
+        {"features": {"speculative": {"method": "ngram", "fly": {"windowSize": 1}}}},
+        "features.speculative.fly only applies to verification FLy",
+    ),
+    (
+        "fly window too wide",
+        {
+            "features": {
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 3,
+                    "verification": "FLy",
+                    "fly": {"windowSize": 3},
+                }
+            }
+        },
+        "features.speculative.fly.windowSize must be below numSpeculativeTokens",
+    ),
+    (
         "elastic without ep",
         {"parallelism": {"expert": {"elastic": True}}},
         "parallelism.expert.elastic requires parallelism.expert.enabled: true",

@@ -276,6 +276,13 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         check_compilation_config(args.compilation_config)
         speculative = check_speculative_config(args.speculative_config)
         if speculative is not None:
+            draft_repo = repo_id_of(speculative.model) if speculative.model else None
+            if draft_repo is not None:  # a draft model loads from the cache like the model
+                try:
+                    draft = resolve_snapshot(draft_repo, None)
+                except ParamError as exc:
+                    raise ParamError("--speculative-config", f"model: {exc.message}") from None
+                speculative = dataclasses.replace(speculative, model=str(draft))
             config = dataclasses.replace(config, speculative_config=speculative)
         repo_id = repo_id_of(config.model)
         if repo_id is not None:

@@ -23,6 +23,7 @@ ImagePolicy = Literal["Strict", "Permissive"]
 SpeculativeMethod = Literal[
     "ngram", "eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator"
 ]
+SpeculativeVerification = Literal["Strict", "FLy"]
 
 # Flags the operator derives from typed fields; setting them through extraArgs would fight the plan.
 OWNED_FLAGS = (
@@ -341,6 +342,40 @@ class ParallelismSpec(CrdModel):
     )
 
 
+class FLySpec(CrdModel):
+    """Upstream's FLy parameters (`fly_window_size`, `fly_entropy_threshold`,
+    `fly_entropy_top_k`); unset ones take the engine's defaults."""
+
+    window_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=15,
+        description=(
+            "Drafts after a rejected one that must all be accepted for FLy to keep it; at most "
+            "numSpeculativeTokens - 1 (engine default min(6, numSpeculativeTokens - 1))."
+        ),
+    )
+    entropy_threshold: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=20.0,
+        description="Top-k entropy (nats) above which a rejection may be kept (default 0.3).",
+    )
+    entropy_top_k: int | None = Field(
+        default=None, ge=2, le=64, description="Tokens in that entropy (default 3)."
+    )
+
+
+# What a draft model may be: an ORG/NAME repository (as upstream's `model`), or a source like
+# model.source (hf://, pvc://, random://), loaded the same way.
+DRAFT_MODEL_PATTERN = (
+    r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)+"
+    r"|random://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)$"
+)
+
+
 class SpeculativeSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -367,6 +402,23 @@ class SpeculativeSpec(CrdModel):
                     "features.speculative.promptLookupMin must not exceed promptLookupMax",
                     ".promptLookupMin",
                 ),
+                cel_rule(
+                    "self.verification != 'FLy' || self.numSpeculativeTokens >= 2",
+                    "features.speculative.verification FLy needs numSpeculativeTokens >= 2 (a "
+                    "rejected draft is kept only when later drafts confirm it)",
+                    ".numSpeculativeTokens",
+                ),
+                cel_rule(
+                    "!has(self.fly) || self.verification == 'FLy'",
+                    "features.speculative.fly only applies to verification FLy",
+                    ".fly",
+                ),
+                cel_rule(
+                    "!has(self.fly) || !has(self.fly.windowSize) || "
+                    "self.fly.windowSize < self.numSpeculativeTokens",
+                    "features.speculative.fly.windowSize must be below numSpeculativeTokens",
+                    ".fly.windowSize",
+                ),
             ]
         }
     )
@@ -377,15 +429,31 @@ class SpeculativeSpec(CrdModel):
     )
     draft_model: str | None = Field(
         default=None,
-        max_length=256,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="ORG/NAME of the draft model (method draft_model only).",
+        max_length=512,
+        pattern=DRAFT_MODEL_PATTERN,
+        description=(
+            "The draft model (method draft_model only): ORG/NAME or hf://ORG/NAME (a Hugging "
+            "Face repository), pvc://CLAIM/PATH (mounted read-only like model.source) or "
+            "random://SHAPE; it must share the model's tokenizer."
+        ),
     )
     prompt_lookup_max: int | None = Field(
         default=None, ge=1, le=64, description="Longest n-gram matched in the prompt (ngram)."
     )
     prompt_lookup_min: int | None = Field(
         default=None, ge=1, le=64, description="Shortest n-gram matched in the prompt (ngram)."
+    )
+    verification: SpeculativeVerification = Field(
+        default="Strict",
+        description=(
+            "How drafts are verified. Strict (default): lossless, the output follows the "
+            "model's own distribution. FLy: lossy, may keep a rejected draft in a "
+            "high-entropy position when the next drafts confirm it (faster, possibly lower "
+            "quality); reported in status."
+        ),
+    )
+    fly: FLySpec | None = Field(
+        default=None, description="FLy's parameters (verification FLy only)."
     )
 
 

@@ -82,21 +82,57 @@ def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[str], list[Mo
     return rest, flags, []
 
 
-def _speculative_config(spec: InferenceServiceSpec) -> str | None:
+def _draft_location(
+    spec: InferenceServiceSpec, draft: str, model_mounts: list[ModelMount]
+) -> tuple[str, list[ModelMount]]:
+    """Where the engine finds the draft model, loaded like model.source: an ORG/NAME or hf://
+    repository from the Hugging Face cache, a pvc:// claim mounted read-only (the model's own
+    mount when it is the same claim), random weights of a shape (davit)."""
+    scheme, sep, rest = draft.partition("://")
+    if not sep:
+        return draft, []
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        shared = next((m for m in model_mounts if m.claim_name == claim), None)
+        if shared is not None:
+            return f"{shared.mount_path}/{path}", []
+        mount = ModelMount(
+            volume_name="draft-model", claim_name=claim, mount_path=f"{MODELS_DIR}/draft-{claim}"
+        )
+        return f"{mount.mount_path}/{path}", [mount]
+    if scheme == "random" and spec.engine.type == "davit":
+        return f"random:{rest}", []
+    return rest, []
+
+
+def _speculative_config(
+    spec: InferenceServiceSpec, model_mounts: list[ModelMount]
+) -> tuple[str | None, list[ModelMount]]:
     speculative = spec.features.speculative
     if speculative is None:
-        return None
+        return None, []
     config: dict[str, Any] = {
         "method": speculative.method,
         "num_speculative_tokens": speculative.num_speculative_tokens,
     }
+    mounts: list[ModelMount] = []
     if speculative.draft_model:
-        config["model"] = speculative.draft_model
+        config["model"], mounts = _draft_location(spec, speculative.draft_model, model_mounts)
     if speculative.prompt_lookup_max is not None:
         config["prompt_lookup_max"] = speculative.prompt_lookup_max
     if speculative.prompt_lookup_min is not None:
         config["prompt_lookup_min"] = speculative.prompt_lookup_min
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+    if speculative.verification == "FLy":
+        # Upstream's names: the lossy policy is visible in the effective engine arguments.
+        config["rejection_sample_method"] = "fly"
+        fly = speculative.fly
+        if fly is not None and fly.window_size is not None:
+            config["fly_window_size"] = fly.window_size
+        if fly is not None and fly.entropy_threshold is not None:
+            config["fly_entropy_threshold"] = fly.entropy_threshold
+        if fly is not None and fly.entropy_top_k is not None:
+            config["fly_entropy_top_k"] = fly.entropy_top_k
+    return json.dumps(config, sort_keys=True, separators=(",", ":")), mounts
 
 
 def engine_invocation(
@@ -137,9 +173,10 @@ def engine_invocation(
     args.append(
         "--enable-prefix-caching" if spec.features.prefix_caching else "--no-enable-prefix-caching"
     )
-    speculative = _speculative_config(spec)
+    speculative, draft_mounts = _speculative_config(spec, mounts)
     if speculative is not None:
         args += ["--speculative-config", speculative]
+    mounts = mounts + draft_mounts
     if spec.features.custom_logits_processors:
         args += ["--logits-processors", *spec.features.custom_logits_processors]
     if spec.engine.type == "davit":

@@ -122,6 +122,21 @@ def shape_for(spec: InferenceServiceSpec, catalog: ShapeCatalog) -> ModelShape |
     return None
 
 
+def draft_shape_for(
+    spec: InferenceServiceSpec, catalog: ShapeCatalog
+) -> tuple[bool, ModelShape | None]:
+    """(whether a draft model is configured, its shape when the catalog knows it)."""
+    speculative = spec.features.speculative
+    if speculative is None or speculative.method != "draft_model" or not speculative.draft_model:
+        return False, None
+    scheme, sep, rest = speculative.draft_model.partition("://")
+    if not sep:
+        return True, catalog.find(speculative.draft_model)
+    if scheme in ("hf", "random"):
+        return True, catalog.find(rest)
+    return True, None
+
+
 def shape_from_config(config: Any) -> ModelShape:
     """A shape from a checkpoint's config.json (Hugging Face field names). Raises ShapeError
     naming the missing or malformed field."""
@@ -219,13 +234,19 @@ def estimate_memory(
     device_bytes: int,
     tensor_parallel: int,
     dtype_bytes: int = ACCELERATOR_DTYPE_BYTES,
+    draft: ModelShape | None = None,
 ) -> MemoryEstimate:
     """Weights, activations at the token budget, the sampler's logits, a CUDA-graph allowance
-    and a non-torch allowance per rank; what is left is KV cache."""
+    and a non-torch allowance per rank; what is left is KV cache. A speculative draft model
+    adds its weights, its graphs and its share of every KV block (its cache follows the
+    model's block tables)."""
     tp = tensor_parallel
     kv_heads = -(-shape.num_kv_heads // tp)
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
     weights = shape.num_parameters * dtype_bytes // tp
+    if draft is not None:
+        per_token += 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * dtype_bytes
+        weights += draft.num_parameters * dtype_bytes
     t = limits.max_num_batched_tokens
     width = (
         4 * shape.hidden_size
@@ -241,6 +262,14 @@ def estimate_memory(
         shape.intermediate_size,
         dtype_bytes,
     )
+    if draft is not None:
+        graphs += cuda_graph_estimate(
+            limits.max_num_seqs,
+            draft.vocab_size,
+            draft.hidden_size,
+            draft.intermediate_size,
+            dtype_bytes,
+        )
     budget = int(device_bytes * limits.gpu_memory_utilization)
     room = budget - (weights + activation + graphs + NON_TORCH_ESTIMATE_BYTES)
     largest = 0
@@ -276,11 +305,12 @@ def preflight(
     would; `tensor_limit(size)` says why the engine release cannot run that size (None: it can)."""
     shape = shape_for(spec, catalog)
     device = catalog.device_bytes(product)
-    if shape is None or device is None:
-        return None
+    has_draft, draft = draft_shape_for(spec, catalog)
+    if shape is None or device is None or (has_draft and draft is None):
+        return None  # an unknown draft shape too: the engine's profile counts it
     limits = effective_limits(spec, shape)
     tp = spec.parallelism.tensor
-    estimate = estimate_memory(shape, limits, device, tp)
+    estimate = estimate_memory(shape, limits, device, tp, draft=draft)
     if estimate.fits:
         return estimate
     need = estimate.fixed_bytes + estimate.one_sequence_bytes
@@ -298,7 +328,9 @@ def preflight(
         field = "limits.maxModelLen"
     else:
         fitting = [
-            n for n in (2, 4, 8, 16) if n > tp and estimate_memory(shape, limits, device, n).fits
+            n
+            for n in (2, 4, 8, 16)
+            if n > tp and estimate_memory(shape, limits, device, n, draft=draft).fits
         ]
         advice = "no maxModelLen fits: the weights alone do not"
         if fitting:
@@ -320,7 +352,7 @@ def profile_identity(plan: Plan) -> dict[str, Any]:
     """What a profile's numbers depend on, as far as the operator knows before any pod runs."""
     spec = plan.spec
     p = spec.parallelism
-    return {
+    identity = {
         "image": plan.image.digest or plan.image.reference,
         "engine": f"{plan.image.engine_type} {plan.image.engine_version}",
         "model": spec.model.source,
@@ -333,6 +365,12 @@ def profile_identity(plan: Plan) -> dict[str, Any]:
         "runner": plan.runner.name,
         "extraArgs": list(spec.engine.extra_args),
     }
+    if spec.features.speculative is not None:
+        # A draft model's weights, KV and graphs are in the measured profile.
+        identity["speculative"] = spec.features.speculative.model_dump(
+            by_alias=True, exclude_none=True
+        )
+    return identity
 
 
 def identity_hash(identity: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ fault, its value and what would work instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from davit_operator.api.spec import InferenceServiceSpec
@@ -75,6 +75,15 @@ def make_plan(
     image = resolve_image(spec, catalog)
     check_capabilities(spec, catalog)
     runner = select_runner(spec, catalog, image.variant)
+    speculative = spec.features.speculative
+    if speculative is not None and speculative.verification == "FLy":
+        # A lossy policy is never silent: the RunnerSelected condition says so.
+        runner = replace(
+            runner,
+            reason=f"{runner.reason}; speculative decoding ({speculative.method}, "
+            f"{speculative.num_speculative_tokens} tokens) with FLy verification: lossy, the "
+            "output may differ from the model's own",
+        )
     engine = catalog.engines.engines[spec.engine.type]
     release = engine.release(image.engine_version)
     assert release is not None

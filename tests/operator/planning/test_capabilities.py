@@ -108,33 +108,15 @@ def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
             ["parallelism.sequenceParallelism", VLLM_V1],
         ),
         (
-            {
-                "features": {
-                    "speculative": {
-                        "method": "ngram",
-                        "numSpeculativeTokens": 4,
-                        "promptLookupMax": 5,
-                        "promptLookupMin": 2,
-                    }
-                }
-            },
+            {"features": {"speculative": {"method": "eagle", "numSpeculativeTokens": 3}}},
             "features.speculative.method",
-            "ngram",
+            "eagle",
             [
-                "features.speculative.method ngram (speculative methods: none)",
-                "remove features.speculative",
+                "features.speculative.method eagle (speculative methods: ngram, draft_model)",
+                "use features.speculative.method ngram or draft_model or remove "
+                "features.speculative",
                 VLLM_ANY,
             ],
-        ),
-        (
-            {
-                "features": {
-                    "speculative": {"method": "draft_model", "draftModel": "Qwen/Qwen3-0.6B"}
-                }
-            },
-            "features.speculative.method",
-            "draft_model",
-            ["features.speculative.method draft_model", VLLM_ANY],
         ),
         (
             # medusa needs runner V1 on vLLM: only the releases that still have it serve it.
@@ -171,13 +153,14 @@ def test_every_shortfall_is_named_once() -> None:
     err = refusal(
         make_spec(
             parallelism={"tensor": 2, "pipeline": 2},
-            features={"speculative": {"method": "ngram"}},
+            features={"speculative": {"method": "mtp"}},
         )
     )
     assert err.field == "parallelism.tensor"
     assert err.message.startswith(
         "davit 0.1.0 does not support parallelism.tensor 2 (at most 1), parallelism.pipeline 2 "
-        "(at most 1), features.speculative.method ngram (speculative methods: none); "
+        "(at most 1), features.speculative.method mtp (speculative methods: ngram, "
+        "draft_model); "
     )
     assert err.message.count("set parallelism.tensor to 1") == 1
 
@@ -319,13 +302,17 @@ def test_the_davit_catalog_entry_matches_the_engine_refusals() -> None:
     assert not caps.expert_parallel
     with pytest.raises(ParamError):
         check_parallelism(1, 1, 1, expert=True)
-    assert caps.speculative_methods == []
+    assert caps.speculative_methods == ["ngram", "draft_model"]
     for method in SPECULATIVE_METHODS:
         config = (
             f'{{"method": "{method}", "num_speculative_tokens": 2'
             + (', "model": "Qwen/Qwen3-0.6B"' if method == "draft_model" else "")
             + "}"
         )
+        if method in caps.speculative_methods:
+            parsed = check_speculative_config(config)
+            assert parsed is not None and parsed.method == method
+            continue
         with pytest.raises(ParamError) as err:
             check_speculative_config(config)
         assert f"method {method}" in str(err.value)

@@ -84,16 +84,22 @@ def test_davit_serve_parses_the_operator_arguments(overrides: dict[str, object])
                     }
                 }
             },
-            "--speculative-config",
+            None,
         ),
         (
             {
                 "features": {
-                    "speculative": {"method": "draft_model", "draftModel": "Qwen/Qwen3-0.6B"}
+                    "speculative": {
+                        "method": "draft_model",
+                        "draftModel": "Qwen/Qwen3-0.6B",
+                        "verification": "FLy",
+                        "fly": {"windowSize": 2, "entropyThreshold": 0.5},
+                    }
                 }
             },
-            "--speculative-config",
+            None,
         ),
+        ({"features": {"speculative": {"method": "eagle"}}}, "--speculative-config"),
         ({"features": {"customLogitsProcessors": ["json.JSONDecoder"]}}, None),
         ({"engine": {"runner": "v2"}, "rollout": {"drainSeconds": 5}}, None),
     ],
@@ -108,11 +114,12 @@ def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
     """Every argument line parses with `davit serve`'s parser; the full startup check then
     accepts it or stops naming the flag (never an unknown-argument error, never ignored)."""
     commit = "0" * 40
-    repo = tmp_path / "models--Qwen--Qwen3-8B"
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "snapshots" / commit / "config.json").write_text("{}")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    for name in ("Qwen3-0.6B", "Qwen3-8B"):  # the model and a draft model in the local cache
+        repo = tmp_path / f"models--Qwen--{name}"
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     spec = make_spec(**overrides)
@@ -136,6 +143,18 @@ def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
         if plan.spec.features.custom_logits_processors:
             assert config.logits_processors == tuple(plan.spec.features.custom_logits_processors)
             assert config.runner == "v1"  # the operator falls back to V1 for them too
+        speculative = plan.spec.features.speculative
+        if speculative is not None:
+            parsed = config.speculative_config
+            assert parsed is not None and parsed.method == speculative.method
+            assert parsed.num_speculative_tokens == speculative.num_speculative_tokens
+            assert parsed.verification == ("fly" if speculative.verification == "FLy" else "strict")
+            assert plan.runner.name == "v2"  # speculative decoding runs on V2 only
+            if speculative.draft_model:
+                assert parsed.model == str(tmp_path / "models--Qwen--Qwen3-0.6B/snapshots" / commit)
+            if speculative.fly is not None:
+                assert parsed.fly_window_size == speculative.fly.window_size
+                assert parsed.fly_entropy_threshold == speculative.fly.entropy_threshold
         return
     assert refused_flag in args
     with pytest.raises(SystemExit) as exc:
