@@ -215,3 +215,39 @@ def test_the_memory_profile_counts_the_draft_models_weights_and_kv() -> None:
     draft_params = sum(p.numel() * p.element_size() for p in runner.draft.model.parameters())
     assert memory.weights_bytes >= plain_memory.weights_bytes + draft_params
     assert memory.block_bytes == plain_memory.block_bytes + runner.draft.block_bytes
+
+
+def test_aborts_while_verifying_free_every_block_with_the_real_runner() -> None:
+    """Requests aborted while their verification step is in flight (async pipeline): the
+    others still get runner V1's tokens, and every block is free at the end."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "random:qwen3-tiny"}
+    config = _config("random:qwen3-tiny", spec, num_gpu_blocks=40)
+    requests = _repetitive_requests(GREEDY, [9, 21, 14, 30, 6, 17])
+    expected = _v1_outputs(config, requests)
+    runner = RunnerV2(config, load_model(config, DEVICE), DEVICE)
+    runner.initialize_kv_cache(40)
+    scheduler = Scheduler(config, 40, 160)
+    pipeline = StepPipeline(scheduler, runner, True)
+    for req in requests:
+        scheduler.add_request(req)
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    aborted: set[str] = set()
+    num_steps = 0
+    while scheduler.has_unfinished() or pipeline.has_in_flight:
+        for delta in pipeline.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+        num_steps += 1
+        for name in ("r1", "r4"):
+            req = scheduler.get_request(name)
+            if req is not None and req.is_verifying and num_steps > 3:
+                assert scheduler.abort(name)
+                aborted.add(name)
+        scheduler.check_invariants()
+    scheduler.schedule()
+    assert aborted == {"r1", "r4"}
+    assert scheduler.block_manager.num_free_blocks == 40
+    for name, tokens in outputs.items():
+        if name in aborted:
+            assert tokens == expected[name][: len(tokens)]
+        else:
+            assert tokens == expected[name]
