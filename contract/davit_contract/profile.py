@@ -4,8 +4,8 @@ Plain dataclasses and JSON, no torch: the operator reads the profiles
 that profiling Jobs write into their termination message, the engine writes them.
 
 A profile has two halves. `ProfileIdentity` names everything the numbers depend on (image,
-model, device, runner, limits); two engines with equal identities get equal numbers, so one
-measurement serves every replica. `MemoryBreakdown` holds the numbers:
+model, dtypes, device, runner, limits); two engines with equal identities get equal numbers, so
+one measurement serves every replica. `MemoryBreakdown` holds the numbers:
 
     kv_cache_bytes = budget_bytes - weights - activation_peak - cuda_graphs
                      - runner_buffers - non_torch
@@ -55,11 +55,28 @@ class ProfileIdentity:
     block_size: int
     gpu_memory_utilization: float
     cuda_graphs: bool
+    # Added within schema version 1 (FP8): "fp8" for an FP8 KV cache, "fp8" for FP8
+    # projection weights. Documents written before they existed lack them and read as the
+    # defaults, which is what those engines ran.
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"
 
     def hash(self) -> str:
-        """A short stable digest of every field (sorted JSON, sha256, 16 hex digits)."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """A short stable digest of every field (sorted JSON, sha256, 16 hex digits).
+
+        Fields added within a schema version are left out while they hold their defaults, so
+        every identity written before they existed keeps its hash (and its stored profile).
+        """
+        data = asdict(self)
+        for name, default in _LATER_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ProfileIdentity fields added after schema version 1 was first written, with their defaults.
+_LATER_DEFAULTS: dict[str, object] = {"kv_cache_dtype": "auto", "quantization": "none"}
 
 
 @dataclass(frozen=True)

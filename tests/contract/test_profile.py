@@ -71,6 +71,31 @@ def test_identity_hash_covers_every_field() -> None:
         seen.add(other.hash())
 
 
+def test_documents_without_the_dtype_fields_keep_their_hash() -> None:
+    """The KV-cache dtype and quantization joined the identity within schema version 1:
+    profiles written before (every committed one) read as "auto"/"none" with the hash they
+    were stored under, and a default identity still writes that hash."""
+    for path in committed():
+        data = json.loads(path.read_text())
+        assert "kv_cache_dtype" not in data["identity"] and "quantization" not in data["identity"]
+        profile = MemoryProfile.from_json(path.read_text())
+        assert profile.identity.kv_cache_dtype == "auto"
+        assert profile.identity.quantization == "none"
+        assert profile.identity.hash() == data["identityHash"]
+        assert profile.to_dict()["identityHash"] == data["identityHash"]
+
+
+def test_fp8_identities_hash_apart_and_round_trip() -> None:
+    profile = MemoryProfile.from_json(json.dumps(_sample()))
+    kv = dataclasses.replace(profile.identity, kv_cache_dtype="fp8")
+    weights = dataclasses.replace(profile.identity, quantization="fp8")
+    both = dataclasses.replace(kv, quantization="fp8")
+    hashes = {profile.identity.hash(), kv.hash(), weights.hash(), both.hash()}
+    assert len(hashes) == 4
+    again = MemoryProfile.from_json(dataclasses.replace(profile, identity=both).to_json())
+    assert again.identity == both and again.identity.hash() == both.hash()
+
+
 @pytest.mark.parametrize(
     ("mutate", "error"),
     [

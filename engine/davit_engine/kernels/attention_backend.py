@@ -30,8 +30,9 @@ class TritonPagedAttention:
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64
+        kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32 (FP8 cache)
     ) -> None:
-        write_kv(k, v, kv_cache, slot_mapping)
+        write_kv(k, v, kv_cache, slot_mapping, kv_scale)
 
     def forward(
         self,
@@ -39,6 +40,7 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32 (FP8 cache)
     ) -> torch.Tensor:  # [T, Hq, D]
         num_splits = 1
         if meta.max_query_len == 1:
@@ -58,4 +60,5 @@ class TritonPagedAttention:
             meta.max_query_len,
             scale,
             num_splits,
+            kv_scale=kv_scale,
         )

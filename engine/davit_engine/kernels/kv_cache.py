@@ -3,6 +3,12 @@
 Layout of one layer's cache: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, keys at
 index 0 and values at index 1. Token `t` goes to flat slot `slot_mapping[t]` (= block id *
 block_size + offset); a negative slot marks a padding token (CUDA-graph padding) and is skipped.
+
+An FP8 cache (`float8_e4m3fn`) stores `(k @ H) / k_scale[head]` and `v / v_scale[head]`,
+rounded to e4m3 and saturated, with H the Hadamard matrix of the head dim (keys unrotated where
+the head dim is not a power of two; `layers/fp8.py` says why keys are rotated); `kv_scale` is
+the layer's `[2, num_kv_heads]` float32 table (row 0 keys, row 1 values). A cache in the
+model's dtype ignores it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.fp8 import hadamard_tile, round_to_e4m3
+from davit_engine.layers.fp8 import hadamard, is_fp8, quantize_fp8, rotates_keys
+
 
 @triton.jit
 def _write_kv_kernel(  # type: ignore[no-untyped-def]
@@ -18,6 +27,7 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
     v_ptr,
     cache_ptr,
     slot_ptr,
+    scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -27,6 +37,9 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -36,6 +49,14 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
         mask = (heads < num_heads) & (dims < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        if FP8:
+            head_valid = heads < num_heads
+            k_scale = tl.load(scale_ptr + heads, mask=head_valid, other=1.0)
+            v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
+            if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
+                k = tl.dot(k, hadamard_tile(BLOCK_D, k.dtype), input_precision=DOT_PRECISION)
+            k = round_to_e4m3(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
+            v = round_to_e4m3(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
         dst = cache_ptr + slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -46,17 +67,25 @@ def write_kv(
     v: torch.Tensor,  # [T, Hkv, D], last dim contiguous
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], contiguous
     slot_mapping: torch.Tensor,  # [T] int64, negative = skip
+    kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
 ) -> None:
     """Store each token's key and value at its slot, one program per token."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
+    fp8 = is_fp8(kv_cache.dtype)
+    if fp8:
+        assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_heads)
+        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
+    rotate = fp8 and rotates_keys(head_dim)
+    block_h = triton.next_power_of_2(num_heads)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
         kv_cache,
         slot_mapping,
+        kv_scale if fp8 else slot_mapping,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -64,18 +93,33 @@ def write_kv(
         kv_cache[0].numel(),
         num_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_H=max(block_h, 16) if rotate else block_h,  # a matrix-unit tile needs 16 rows
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8,
+        ROTATE=rotate,
+        DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
     )
 
 
 def write_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch twin of `write_kv`, padding slots included."""
     num_blocks, block_size, num_heads, head_dim = kv_cache.shape[1:]
     flat = kv_cache.view(2, num_blocks * block_size, num_heads, head_dim)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    if is_fp8(kv_cache.dtype):
+        assert kv_scale is not None
+        keys = k[keep].float()
+        if rotates_keys(head_dim):
+            keys = keys @ hadamard(head_dim, keys.device)
+        flat[0][slots] = quantize_fp8(keys, kv_scale[0][:, None])
+        flat[1][slots] = quantize_fp8(v[keep], kv_scale[1][:, None])
+        return
     flat[0][slots] = k[keep].to(kv_cache.dtype)
     flat[1][slots] = v[keep].to(kv_cache.dtype)

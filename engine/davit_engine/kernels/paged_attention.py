@@ -7,6 +7,13 @@ through the block table, causally (a new token at absolute position p sees keys 
 <= p, the cached prefix included). For long contexts with few programs (decode at small batch)
 the key range is split over `num_splits` programs whose partial results a second kernel merges
 by their log-sum-exp.
+
+An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
+widened exactly to the query dtype for the dot products (fp32 accumulation), and the program's
+per-head scales apply once, to the scores (`k_scale`) and to the output (`v_scale`), since both
+are constant within a program (one KV head). Its keys are stored Hadamard-rotated, so each
+program rotates its query tile the same way (`q @ H`, the matrix made in registers) and divides
+the scores by the head dim (`H @ H^T = D * I`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.fp8 import hadamard_tile
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
 _LOG2E = 1.4426950408889634
 
@@ -33,6 +42,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    kv_scale_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -54,6 +64,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -85,6 +97,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             other=0.0,
         )
         q_pos = ctx_len + tok
+        if FP8:  # the per-head key scale folds into the score scale
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
+            q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
+            q = q.to(q_ptr.dtype.element_ty)
+            scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
 
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
@@ -119,6 +137,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
+            if FP8:  # e4m3 widens exactly to bf16, fp16 and fp32
+                k = k.to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
@@ -133,11 +153,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
+            if FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / l_safe[:, None]
+        if FP8:
+            result = result * tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
         store_mask = row_valid[:, None] & dim_valid[None, :]
         if NUM_SPLITS == 1:
             o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
@@ -221,6 +245,7 @@ def paged_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new tokens over its paged keys and values.
 
@@ -236,6 +261,10 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
     assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    fp8 = is_fp8(kv_cache.dtype)
+    if fp8:
+        assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_kv_heads)
+        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     is_decode = max_query_len == 1
@@ -264,6 +293,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        kv_scale if fp8 else seq_lens,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -285,6 +315,8 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
+        FP8=fp8,
+        ROTATE=fp8 and rotates_keys(head_dim),
         num_warps=4,
         num_stages=2,
         **pdl_launch(q.device),
@@ -313,8 +345,10 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch twin of `paged_attention`, one request at a time, in float64."""
+    """Plain-torch twin of `paged_attention`, one request at a time, in float64 (an FP8 cache
+    read through its per-head scales)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -329,6 +363,13 @@ def paged_attention_reference(
         blocks = block_tables[req, positions // page].long()
         keys = kv_cache[0, blocks, positions % page].double()  # [S, Hkv, D]
         values = kv_cache[1, blocks, positions % page].double()
+        if is_fp8(kv_cache.dtype):
+            assert kv_scale is not None
+            keys = keys * kv_scale[0].double()[None, :, None]
+            values = values * kv_scale[1].double()[None, :, None]
+            if rotates_keys(head_dim):  # stored as k @ H: back with H^T / D
+                rotation = hadamard(head_dim, keys.device, torch.float64)
+                keys = keys @ rotation.t() / head_dim
         keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         queries = q[q_begin:q_end].double()  # [L, Hq, D]

@@ -1,7 +1,9 @@
 """Paged attention: the per-step metadata, the backend protocol, and the plain-torch reference.
 
 The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(keys at index 0, values at index 1) in the model dtype. A request's tokens live in the blocks
+(keys at index 0, values at index 1) in the model dtype, or in FP8 (`float8_e4m3fn`) with the
+layer's per-head scales `kv_scale [2, num_kv_heads]` (float32; row 0 keys, row 1 values): a
+stored value times its scale is the key or value. A request's tokens live in the blocks
 listed by its row of `block_tables`; token `p` of a request is in block `block_tables[b, p //
 block_size]` at offset `p % block_size`. The backend travels inside the metadata, so there is no
 module-global forward context and several backends can coexist (the reference is used to check
@@ -16,13 +18,17 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from davit_engine.layers.fp8 import hadamard, is_fp8, quantize_fp8, rotates_keys
+
 
 class AttentionBackend(Protocol):
     """How a layer stores new keys/values and attends over the paged cache.
 
     Contract of `forward`: each new token of request `b` at absolute position `p` attends to the
     cached tokens of `b` at positions `<= p` (the request's own new tokens included, causally).
-    `write_kv` has already run for this step's tokens when `forward` is called.
+    `write_kv` has already run for this step's tokens when `forward` is called. `kv_scale` is
+    the layer's `[2, Hkv]` float32 scale table; it must be given for an FP8 cache and is
+    ignored otherwise.
     """
 
     def write_kv(
@@ -31,6 +37,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64
+        kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32
     ) -> None: ...
 
     def forward(
@@ -39,6 +46,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
@@ -87,6 +95,8 @@ class TorchPagedAttention:
     Requests are split into decode rows (one new token) and prefill rows (several), each group
     padded only to its own longest query, so a long prefill chunk does not pad every decode row.
     The gather indices and masks are built once per step (in `meta.scratch`), not per layer.
+    An FP8 cache is quantized on write and widened to the query dtype on read, with the scales
+    applied in that dtype (fp32 on the CPU): FP8 storage, full-precision compute.
     """
 
     def write_kv(
@@ -95,11 +105,21 @@ class TorchPagedAttention:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        if is_fp8(kv_cache.dtype):
+            assert kv_scale is not None, "an FP8 KV cache needs the layer's kv_scale"
+            # scales per head: [Hkv, 1] over [T, Hkv, D]; copied as bytes (torch has no FP8
+            # index_copy on every device)
+            flat = flat.view(torch.uint8)
+            if rotates_keys(head_dim):  # stored rotated (layers/fp8.py)
+                k = k.float() @ hadamard(head_dim, k.device)
+            k = quantize_fp8(k, kv_scale[0][:, None]).view(torch.uint8)
+            v = quantize_fp8(v, kv_scale[1][:, None]).view(torch.uint8)
+        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
     def forward(
         self,
@@ -107,18 +127,27 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         groups: list[_Group] | None = meta.scratch.get("torch_paged_groups")
         if groups is None:
             groups = _plan_groups(meta, int(kv_cache.shape[2]))
             meta.scratch["torch_paged_groups"] = groups
         num_tokens, num_heads, head_dim = q.shape
+        if is_fp8(kv_cache.dtype) and rotates_keys(head_dim):
+            # Keys are stored as k @ H: q @ H against them, and H H^T = D I.
+            q = (q.float() @ hadamard(head_dim, q.device)).to(q.dtype)
+            scale = scale / head_dim
         out: torch.Tensor | None = None
         for group in groups:
             num_reqs = group.mask.shape[0]
             # Whole blocks are gathered (one contiguous copy each), not single slots.
             # kg, vg: [B, Hkv, Lk, D]
             kg, vg = _gather_blocks(kv_cache, group.block_index, num_reqs, q.dtype)
+            if is_fp8(kv_cache.dtype):
+                assert kv_scale is not None, "an FP8 KV cache needs the layer's kv_scale"
+                kg = kg * kv_scale[0].to(q.dtype)[None, :, None, None]
+                vg = vg * kv_scale[1].to(q.dtype)[None, :, None, None]
             # qg: [B, Lq, Hq, D]; a decode-only step has one query per request, in order.
             qg = q.unsqueeze(1) if group.token_index is None else q[group.token_index]
             og = F.scaled_dot_product_attention(
@@ -148,7 +177,11 @@ def _gather_blocks(
     kv_cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # kv_cache: [2, num_blocks, bs, Hkv, D] -> keys, values: [B, Hkv, max_blocks * bs, D]
-    blocks = kv_cache.index_select(1, block_index).to(dtype)  # [2, B * max_blocks, bs, Hkv, D]
+    if is_fp8(kv_cache.dtype):  # gathered as bytes, like the write
+        blocks = kv_cache.view(torch.uint8).index_select(1, block_index).view(kv_cache.dtype)
+    else:
+        blocks = kv_cache.index_select(1, block_index)
+    blocks = blocks.to(dtype)  # [2, B * max_blocks, bs, Hkv, D]
     _, _, _, num_kv_heads, head_dim = blocks.shape
     kv = blocks.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)
     return kv[0], kv[1]

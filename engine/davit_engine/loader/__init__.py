@@ -3,6 +3,12 @@
 `load_model(config, device)` returns a `LoadedModel`: the module with weights in place on
 `device`, its `ModelConfig` and the dtype picked. Every failure is a ParamError naming the file
 or field so `davit serve` can say exactly what to fix.
+
+FP8 (davit_engine.quant): an FP8 checkpoint (quantization_config) is built with `Fp8Linear`
+projections that its weights and scales load into; `--quantization fp8` on any other checkpoint
+quantizes the projections once the weights are in place. With `--kv-cache-dtype fp8` every
+attention layer gets its KV scales from a calibration prefill, after the projections are final
+(so the calibration sees the weights that will serve).
 """
 
 from __future__ import annotations
@@ -20,7 +26,15 @@ from davit_engine.layers.rotary import RotaryEmbedding
 from davit_engine.loader import gguf_file, safetensors_dir
 from davit_engine.loader.random_weights import fill_random
 from davit_engine.models.config import ModelConfig
-from davit_engine.models.llama import LlamaForCausalLM
+from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
+from davit_engine.quant.fp8_linear import install_fp8_projections, quantize_projections
+from davit_engine.quant.kv_scales import calibrate_kv_scales
+from davit_engine.quant.support import (
+    check_fp8_device,
+    is_fp8_kv,
+    kv_cache_dtype_name,
+    kv_storage_dtype,
+)
 from davit_engine.shapes import get_shape
 from davit_engine.types import ParamError
 
@@ -38,8 +52,16 @@ DTYPES: dict[str, torch.dtype] = {
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations (and of every weight that is not FP8)
     source: str  # "gguf", "safetensors" or "random"
+    quantization: str = "none"  # "fp8": the decoder projections hold FP8 weights
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
+    kv_scale_source: str = "none"  # FP8 KV scales: "calibrated", or "none" without FP8 KV
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """Element type of the KV cache tensors."""
+        return kv_storage_dtype(self.kv_cache_dtype, self.dtype)
 
     @property
     def num_parameters(self) -> int:
@@ -88,13 +110,18 @@ def resolve_dtype(
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The module with uninitialised weights of `dtype` on `device` (no default init cost)."""
+def build_empty(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, fp8_projections: bool = False
+) -> LlamaForCausalLM:
+    """The module with uninitialised weights of `dtype` on `device` (no default init cost);
+    with `fp8_projections`, the decoder projections are `Fp8Linear` (for FP8 checkpoints)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
+            if fp8_projections:
+                install_fp8_projections(model)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -103,7 +130,18 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
+        if isinstance(module, LlamaAttention):
+            module.kv_scale.fill_(1.0)  # to_empty() leaves buffers uninitialised too
     return model.eval()
+
+
+def resolve_quantization(requested: str | None, config: ModelConfig, model: str) -> str:
+    """ "fp8" when the flag asks for it or the checkpoint is FP8, else "none"."""
+    if requested is not None and requested != "fp8":
+        raise ParamError("--quantization", f"must be fp8, got {requested!r}")
+    if config.quantization == "fp8" or requested == "fp8":
+        return "fp8"
+    return "none"
 
 
 def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
@@ -113,8 +151,16 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
         model_config, weights = gguf_file.load(Path(config.model))
     else:
         model_config = read_model_config(config.model)
+    quantization = resolve_quantization(config.quantization, model_config, config.model)
+    if quantization == "fp8":
+        flag = "--quantization" if config.quantization else "model"
+        check_fp8_device(device, flag, f"{config.model}: fp8 quantization")
+    fp8_kv = is_fp8_kv(config.kv_cache_dtype)
+    if fp8_kv:
+        check_fp8_device(device, "--kv-cache-dtype", config.kv_cache_dtype)
     dtype = resolve_dtype(config.dtype, kind, model_config, device)
-    model = build_empty(model_config, dtype, device)
+    prequantized = model_config.quantization == "fp8"
+    model = build_empty(model_config, dtype, device, fp8_projections=prequantized)
     with torch.no_grad():
         if kind == "random":
             fill_random(model, config.seed)
@@ -123,18 +169,32 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
             model.load_weights(weights, config.model)
         else:
             model.load_weights(safetensors_dir.iter_weights(Path(config.model)), config.model)
+        if quantization == "fp8" and not prequantized:
+            count = quantize_projections(model)
+            logger.info("quantized %d projections to fp8 (per-channel scales)", count)
+    kv_scale_source = "none"
+    if fp8_kv:
+        calibrate_kv_scales(model, device, dtype)
+        kv_scale_source = "calibrated"
+        logger.info("fp8 KV cache: per-layer scales calibrated at load")
     logger.info(
-        "loaded %s (%s, %s, %.1fM parameters) as %s on %s",
+        "loaded %s (%s, %s, %.1fM parameters) as %s on %s (projections: %s)",
         config.model,
         kind,
         model_config.architecture,
         model_config.num_parameters() / 1e6,
         dtype,
         device,
+        "fp8" if quantization == "fp8" else "model dtype",
     )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the unquantized weights and the calibration's blocks
     return LoadedModel(
         model=model,
         config=dataclasses.replace(model_config, torch_dtype=str(dtype).removeprefix("torch.")),
         dtype=dtype,
         source=kind,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
+        kv_scale_source=kv_scale_source,
     )

@@ -64,9 +64,68 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        quantization=checkpoint_quantization(raw.get("quantization_config"), source),
     )
     config.validate(source)
     return config
+
+
+def checkpoint_quantization(quant: Any, source: str) -> str | None:
+    """ "fp8" for FP8 checkpoints in the common safetensors layout (per-tensor or per-channel
+    `weight_scale` beside each float8_e4m3fn projection weight), None without a
+    quantization_config; ParamError naming the field for any other scheme."""
+    if quant is None:
+        return None
+    field = f"{source}: quantization_config"
+    if not isinstance(quant, dict):
+        raise ParamError("model", f"{field} must be an object")
+    method = quant.get("quant_method")
+    if method == "fp8":
+        if quant.get("weight_block_size") is not None:
+            raise ParamError(
+                "model",
+                f"{field}.weight_block_size: block-wise FP8 (weight_scale_inv per "
+                f"{quant['weight_block_size']} block) is not supported; this engine loads FP8 "
+                "checkpoints with per-tensor or per-channel weight_scale",
+            )
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ParamError("model", f"{field}.fmt {quant['fmt']!r}: only e4m3 is supported")
+        _check_ignored(quant.get("ignored_layers") or quant.get("modules_to_not_convert"), field)
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = quant.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups:
+            raise ParamError("model", f"{field}.config_groups: expected at least one group")
+        for name, group in groups.items():
+            weights = (group or {}).get("weights") or {}
+            if (
+                weights.get("type") != "float"
+                or weights.get("num_bits") != 8
+                or weights.get("strategy") not in ("tensor", "channel")
+            ):
+                raise ParamError(
+                    "model",
+                    f"{field}.config_groups.{name}.weights: only 8-bit float weights with a "
+                    f"tensor or channel strategy (FP8) are supported, got {weights!r}",
+                )
+        _check_ignored(quant.get("ignore"), field)
+        return "fp8"
+    raise ParamError(
+        "model",
+        f"{field}.quant_method {method!r} is not supported; supported: fp8 and "
+        "compressed-tensors FP8 (float8_e4m3fn weights with weight_scale)",
+    )
+
+
+def _check_ignored(ignored: Any, field: str) -> None:
+    """Only the LM head may stay unquantized: every decoder projection loads as FP8."""
+    for name in ignored or []:
+        if not (isinstance(name, str) and name.endswith("lm_head")):
+            raise ParamError(
+                "model",
+                f"{field}: unquantized module {name!r}; this engine loads every decoder "
+                "projection as FP8 (only lm_head may be left out)",
+            )
 
 
 def model_config_to_hf(config: ModelConfig) -> dict[str, Any]:

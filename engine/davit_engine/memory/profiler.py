@@ -354,4 +354,6 @@ def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
         block_size=config.block_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         cuda_graphs=bool(getattr(runner, "use_graphs", False)),
+        kv_cache_dtype=runner.loaded.kv_cache_dtype,
+        quantization=runner.loaded.quantization,
     )

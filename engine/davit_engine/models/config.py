@@ -37,6 +37,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None  # the checkpoint's dtype name, used by dtype="auto"
+    # How the checkpoint's projections are stored: None (the model dtype) or "fp8" (float8
+    # e4m3 weights with `weight_scale` tensors, from config.json's quantization_config).
+    quantization: str | None = None
 
     def validate(self, source: str) -> None:
         """Raise ParamError naming `source` and the field when the shape cannot work."""

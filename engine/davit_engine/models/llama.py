@@ -2,7 +2,13 @@
 
 Single-device and unquantized on purpose: projections are fused (q/k/v into `qkv_proj`, gate/up
 into `gate_up_proj`) so a layer runs three large matmuls; checkpoints keep the split names, and
-`STACKED_PARAMS` declares how they map onto the fused ones.
+`STACKED_PARAMS` declares how they map onto the fused ones. Quantization is applied from outside
+(`davit_engine.quant` swaps the projections); `load_weights` fills whatever parameters the
+projections then have, FP8 checkpoints' per-tensor or per-channel `weight_scale` included.
+
+Each attention layer owns `kv_scale [2, num_kv_heads]` (float32, keys then values): the scales
+of an FP8 KV cache, set by the loader (quant/kv_scales.py) and ignored by a cache in the model
+dtype.
 """
 
 from __future__ import annotations
@@ -27,11 +33,25 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-# Checkpoint tensors that carry no weights we use (precomputed rotary tables).
-IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that carry no weights we use: precomputed rotary tables; FP8 checkpoints'
+# static activation scales (activations are quantized per token, dynamically) and KV-cache
+# scales (an FP8 cache here stores rotated keys, so its scales are calibrated at load:
+# quant/kv_scales.py).
+IGNORED_SUFFIXES: tuple[str, ...] = (
+    "rotary_emb.inv_freq",
+    ".input_scale",
+    ".k_scale",
+    ".v_scale",
+    ".kv_scale",
+    ".output_scale",
+)
+# Scale tensors that may hold one value for a whole (split) projection.
+SCALE_SUFFIX = ".weight_scale"
 
 
 class LlamaAttention(nn.Module):
+    kv_scale: torch.Tensor  # [2, num_kv_heads] float32, a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -45,6 +65,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Not in the state dict: no checkpoint of the unquantized model has it.
+        self.register_buffer(
+            "kv_scale", torch.ones(2, config.num_kv_heads, dtype=torch.float32), persistent=False
+        )
 
     def forward(
         self,
@@ -62,8 +86,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = RotaryEmbedding.rotate(rope, q, k)
-        meta.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = meta.backend.forward(q, kv_cache, meta, self.scale)  # [T, Hq, D]
+        meta.backend.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+        out = meta.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -164,8 +188,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.
 
-        Raises ParamError naming `source` and the tensor on a shape mismatch, an unknown
-        tensor, or tensors the checkpoint lacks.
+        A `weight_scale` of one value fills its projection's rows of a fused scale (per-tensor
+        checkpoints); one value per row is copied as is (per-channel). Raises ParamError naming
+        `source` and the tensor on a shape or dtype mismatch, an unknown tensor, or tensors the
+        checkpoint lacks.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = self.expected_weight_names()
@@ -180,13 +206,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ParamError("model", f"{source}: unexpected tensor {name!r} for this model")
             param = params[target]
             dest = param.data if rows is None else param.data[rows[0] : rows[1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ParamError(
-                    "model",
-                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model config expects {tuple(dest.shape)}",
-                )
-            dest.copy_(tensor)
+            _copy_checkpoint_tensor(dest, tensor, name, source)
             seen.add(name)
         missing = expected - seen
         if missing:
@@ -209,6 +229,30 @@ class LlamaForCausalLM(nn.Module):
         if fused == "qkv_proj":
             return [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         return [0, c.intermediate_size, 2 * c.intermediate_size]
+
+
+def _copy_checkpoint_tensor(
+    dest: torch.Tensor, tensor: torch.Tensor, name: str, source: str
+) -> None:
+    """`dest.copy_(tensor)` with the checks (and the scale broadcast) of `load_weights`."""
+    if name.endswith(SCALE_SUFFIX) and tensor.numel() in (1, dest.numel()):
+        tensor = tensor.reshape(()) if tensor.numel() == 1 else tensor.reshape(dest.shape)
+        dest.copy_(tensor.float().expand(dest.shape))
+        return
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ParamError(
+            "model",
+            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model config expects {tuple(dest.shape)}",
+        )
+    if dest.dtype == torch.float8_e4m3fn and tensor.dtype != dest.dtype:
+        # Casting an unscaled tensor into FP8 would silently clip or zero it.
+        raise ParamError(
+            "model",
+            f"{source}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')} but the "
+            "checkpoint is quantized (fp8): its projections must be float8_e4m3fn",
+        )
+    dest.copy_(tensor)
 
 
 def _checkpoint_names(param_name: str) -> list[str]:

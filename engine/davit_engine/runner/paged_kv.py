@@ -80,6 +80,7 @@ class PagedKvRunner(ModelRunner):
         self.model_config: ModelConfig = loaded.config
         self.device = device
         self.dtype = loaded.dtype
+        self.kv_dtype = loaded.kv_storage_dtype  # the model dtype, or FP8 (--kv-cache-dtype)
         self.block_size = config.block_size
         self.backend = backend
         self.kv_caches: list[torch.Tensor] = []
@@ -90,7 +91,7 @@ class PagedKvRunner(ModelRunner):
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (keys and values)."""
         c = self.model_config
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
 
     def _dummy_prefill(self, num_tokens: int) -> None:
@@ -101,7 +102,7 @@ class PagedKvRunner(ModelRunner):
             num_tokens,
             self.config.max_num_seqs,
             self.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 

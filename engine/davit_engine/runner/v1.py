@@ -55,13 +55,15 @@ class RunnerV1(PagedKvRunner):
         c = self.model_config
         self.num_blocks = num_blocks
         # kv_caches[layer]: [2, num_blocks, block_size, Hkv, D]
-        self.kv_caches = allocate_kv_caches(c, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            c, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
             num_blocks,
             self.block_size,
             num_blocks * self.block_bytes / 2**30,
-            self.dtype,
+            self.kv_dtype,
         )
 
     # ---- one step -------------------------------------------------------------------------------

@@ -113,3 +113,83 @@ def test_paged_attention_bf16_real_shapes(device: torch.device, num_splits: int)
     out = paged_attention(q, cache, tables, lens, qsl, max(q_lens), 128**-0.5, num_splits)
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5)
     assert _rel_err(out, ref) < 1e-2
+
+
+def _fp8_batch(
+    device: torch.device,
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: tuple[int, int],
+    dim: int,
+    page: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """`_batch` with an FP8 cache (random e4m3 bytes, NaN patterns excluded) and per-head
+    scales."""
+    q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, heads, dim, page, dtype)
+    cache = (cache.float() * 40).to(torch.float8_e4m3fn)
+    kv_scale = (torch.rand(2, heads[1], device=device) * 0.05 + 0.01).contiguous()
+    return q, cache, tables, lens, qsl, kv_scale
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("dim", [16, 12])  # rotated keys (power of two) and unrotated
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_fp8_matches_reference(
+    device: torch.device, q_lens: list[int], seq_lens: list[int], dim: int, num_splits: int
+) -> None:
+    torch.manual_seed(sum(seq_lens) + dim + num_splits)
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (4, 2), dim, 4, torch.float32
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, out, kv_scale)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < 1e-5
+
+
+def test_fp8_cache_round_trip_close_to_unquantized(device: torch.device) -> None:
+    """Keys and values written through `write_kv` into FP8 and read by the kernel give nearly
+    the attention of the unquantized cache; keys with an outlier channel included."""
+    from davit_engine.kernels.kv_cache import write_kv
+
+    torch.manual_seed(8)
+    heads, dim, page = (4, 2), 32, 4
+    q, cache, tables, lens, qsl = _batch(device, [1, 6], [21, 14], heads, dim, page, torch.float32)
+    keys = torch.randn(35, heads[1], dim, device=device)
+    keys[..., 3] *= 20  # outlier channel
+    values = torch.randn(35, heads[1], dim, device=device)
+    slots = torch.cat(
+        [
+            tables[r].long().repeat_interleave(page)[:n] * page + torch.arange(n, device=device) % page
+            for r, n in enumerate([21, 14])
+        ]
+    )  # fmt: skip
+    exact_cache = torch.zeros_like(cache)
+    write_kv(keys, values, exact_cache, slots)
+    fp8_cache = torch.zeros_like(cache, dtype=torch.float8_e4m3fn)
+    from davit_engine.layers.fp8 import hadamard
+
+    rotated_max = (keys @ hadamard(dim, device)).abs().amax(dim=(0, 2))
+    kv_scale = torch.stack([rotated_max, values.abs().amax(dim=(0, 2))]) / 448
+    write_kv(keys, values, fp8_cache, slots, kv_scale.contiguous())
+    exact = paged_attention(q, exact_cache, tables, lens, qsl, 6, dim**-0.5)
+    ours = paged_attention(q, fp8_cache, tables, lens, qsl, 6, dim**-0.5, kv_scale=kv_scale)
+    assert _rel_err(ours, exact) < 0.1  # e4m3 keeps 3 mantissa bits; sharp scores here
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_paged_attention_fp8_bf16_real_shapes(device: torch.device, num_splits: int) -> None:
+    torch.manual_seed(9)
+    q_lens = [1] * 6 + [300, 1000]
+    seq_lens = [100, 1500, 3000, 17, 1, 800, 700, 1000]
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (32, 8), 128, 16, torch.bfloat16
+    )
+    out = paged_attention(
+        q, cache, tables, lens, qsl, max(q_lens), 128**-0.5, num_splits, kv_scale=kv_scale
+    )
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
+    assert _rel_err(out, ref) < 1e-2

@@ -8,7 +8,8 @@ is per instance. Per decoder layer at decode batch sizes:
 - the residual add after attention and after the MLP each run in one kernel with the RMSNorm
   that follows (the next layer's input norm, or the final norm);
 - q/k norm + rotary write the rotated keys and the values straight into the paged KV cache
-  when the attention backend is the Triton one (no separate cache-write kernel).
+  when the attention backend is the Triton one (no separate cache-write kernel); an FP8 cache
+  is written by the backend's `write_kv`, which quantizes with the layer's `kv_scale`.
 
 An attention forward whose signature this module does not know is left alone (and counted
 out), so a change to the model composition degrades speed, never correctness.
@@ -71,7 +72,9 @@ def _attention_core(
     eps = q_norm.eps if q_norm is not None else 1e-6
     q_weight = q_norm.weight if q_norm is not None else None
     k_weight = k_norm.weight if k_norm is not None else None
-    if isinstance(meta.backend, TritonPagedAttention):  # its cache layout: write in the kernel
+    kv_scale = module.kv_scale
+    direct = isinstance(meta.backend, TritonPagedAttention) and kv_cache.dtype == x.dtype
+    if direct:  # the Triton backend's cache layout in the model dtype: write in the kernel
         q, _ = qk_norm_rope(
             q, k, cos, sin, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
             slot_mapping=meta.slot_mapping,
@@ -79,8 +82,8 @@ def _attention_core(
     else:
         q, k_rot = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
         assert k_rot is not None
-        meta.backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping)
-    out = meta.backend.forward(q, kv_cache, meta, module.scale)  # [T, Hq, D]
+        meta.backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
+    out = meta.backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
     return module.o_proj(out.reshape(num_tokens, heads * dim))
 
 

@@ -160,7 +160,9 @@ class RunnerV2(PagedKvRunner):
         config = self.config
         self.num_blocks = num_blocks
         # kv_caches[layer]: [2, num_blocks, block_size, Hkv, D]
-        self.kv_caches = allocate_kv_caches(c, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            c, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
         self.max_model_len = min(
             config.max_model_len or c.max_position_embeddings, num_blocks * self.block_size
         )

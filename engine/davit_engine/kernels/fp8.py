@@ -1,0 +1,44 @@
+"""The rounding every kernel that writes FP8 (e4m3) applies before its cast, and the
+Hadamard matrix the FP8 KV cache's keys are rotated with (`layers/fp8.py` says why).
+
+Why the kernels round by hand before casting: the cast must give the same bits on the GPU,
+under Triton's interpreter (which the CPU tests use) and in torch (`layers/fp8.py`, the
+references). Triton's interpreter rounds some values wrongly when it casts to FP8 (values that
+round up into the next power of two, and subnormals), while the cast of a value already on the
+e4m3 grid is exact everywhere. Rounding first in float32, to nearest with ties to even and
+saturating, gives one result on every path at the cost of a few arithmetic instructions.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to_e4m3(x):  # type: ignore[no-untyped-def]
+    """float32 `x` rounded to the nearest e4m3 value (ties to even), saturated to +-448.
+
+    Below 2^-6 e4m3 is subnormal with a fixed step of 2^-9, so the exponent is clamped there.
+    Adding and subtracting `c = step * 2^23` rounds to a multiple of `step` in float32's own
+    round-to-nearest-even (the sum lies in [2^23 step, 2^24 step), whose spacing is `step`).
+    """
+    a = tl.minimum(tl.abs(x), 448.0)
+    exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    # step = 2^(exponent - 3): three mantissa bits
+    c = ((exponent - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+
+
+@triton.jit
+def hadamard_tile(DIM: tl.constexpr, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The DIM x DIM Sylvester-Hadamard matrix, `(-1)^popcount(i & j)`, made in registers (no
+    memory read): the parity of `i & j` by folding its bits (DIM <= 256: 8 bits)."""
+    i = tl.arange(0, DIM)[:, None]
+    j = tl.arange(0, DIM)[None, :]
+    p = i & j
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return (1 - 2 * (p & 1)).to(DTYPE)

@@ -1,0 +1,195 @@
+"""FP8-weight matrix products: `y = (x @ W_fp8^T) * w_scale (+ bias)`, and per-token FP8
+quantization of activations for the library's FP8 GEMM.
+
+Two kernels, each beside its plain-torch reference:
+- `fp8_weight_matmul`: weights stored in FP8 with one scale per output channel (row of W),
+  activations kept in their own dtype. Each tile of W is widened exactly to the activation dtype
+  in registers and multiplied on the matrix units with float32 accumulation; the channel scale
+  applies once to the result. At a few rows (decode) the product is bound by reading W, so this
+  reads half the bytes of a bf16 weight and needs no quantization of the activations.
+- `quantize_rows`: x [M, K] -> FP8 rows and one float32 scale per row (`amax / 448`), for
+  `torch._scaled_mm` at many rows (prefill), where FP8 matrix units double the rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from davit_engine.kernels.fp8 import round_to_e4m3
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tile shape and launch options of `fp8_weight_matmul`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Few rows (decode): BLOCK_M is the smallest matrix-unit tile; narrow column blocks give
+# enough programs to occupy every multiprocessor on the small projections, and long K tiles
+# keep several of W's bytes in flight per program.
+SMALL_ROWS_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=4)
+# Many rows (prefill where the FP8 library GEMM is not used): a compute-shaped tile.
+LARGE_ROWS_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
+def default_config(num_rows: int) -> MatmulConfig:
+    return SMALL_ROWS_CONFIG if num_rows <= SMALL_ROWS_CONFIG.block_m else LARGE_ROWS_CONFIG
+
+
+@triton.jit
+def _fp8_weight_matmul_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_valid = rows < num_rows
+    col_valid = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T tile: [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = (k0 + ks) < K
+        x = tl.load(
+            x_rows + (k0 + ks)[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0
+        )
+        w = tl.load(
+            w_rows + (k0 + ks)[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0
+        )
+        # e4m3 widens exactly to bf16, fp16 and fp32: the only rounding is the accumulation's.
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + cols, mask=col_valid, other=0.0)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+def fp8_weight_matmul(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`(x @ weight^T) * weight_scale + bias` with float32 accumulation."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    cfg = config or default_config(num_rows)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, cfg.block_m))
+    _fp8_weight_matmul_kernel[grid](
+        x,
+        weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        out,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
+    )
+    return out
+
+
+def fp8_weight_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of `fp8_weight_matmul`: the product in float32, scaled per column."""
+    out = (x.float() @ weight.float().t()) * weight_scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    mask = ks < K
+    # The whole row in registers: one read of x (BLOCK_K >= K, see quantize_rows).
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.maximum(tl.fdiv(amax, 448.0, ieee_rounding=True), 1e-12)
+    tl.store(scale_ptr + row, scale)
+    q = round_to_e4m3(tl.fdiv(x, scale, ieee_rounding=True))
+    tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (FP8 [M, K] contiguous, float32 scales [M, 1]) with
+    `x ~ q * scale`, one scale per row: its absolute maximum over 448."""
+    num_rows, k = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(num_rows, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(num_rows,)](
+        x, q, scale, k, x.stride(0), BLOCK_K=block,
+        num_warps=max(4, min(16, block // 1024)), **pdl_launch(x.device),
+    )  # fmt: skip
+    return q, scale
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch twin of `quantize_rows`."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return quantize_fp8(x, scale), scale

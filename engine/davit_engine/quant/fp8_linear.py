@@ -1,0 +1,198 @@
+"""`Fp8Linear`: a projection whose weight is stored in FP8 with one scale per output channel.
+
+`y = x @ (W_q * w_scale[:, None])^T + bias`, `W_q` in float8_e4m3fn ([N, K], half a bf16
+weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows and the device:
+
+- CUDA, at most `weight_only_max_rows` rows (decode at small batch): `fp8_weight_matmul`
+  (kernels/fp8_linear.py) widens W's tiles in registers; the activations stay as they are. The
+  step is bound by reading W, and no quantization kernel runs before the product.
+- CUDA, more rows, bf16 activations, compute capability 9.0+ and K, N multiples of 16 (the
+  library's constraints): the activations are quantized per token (one scale per row, its
+  absolute maximum over 448, computed on the fly) and `torch._scaled_mm` multiplies FP8 by FP8
+  with the row and channel scales applied to its float32 accumulator. Otherwise the Triton
+  product again.
+- CPU: the same arithmetic in plain torch (FP8 storage, compute in the activation dtype), with
+  the per-token quantization of the activations emulated where CUDA would quantize them; the
+  quality tests measure this path.
+
+Weights quantized at load take their per-channel scale from the channel's absolute maximum
+(`amax / 448`), so no channel saturates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from davit_engine.kernels.fp8_linear import (
+    fp8_weight_matmul,
+    quantize_rows,
+    quantize_rows_reference,
+)
+from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+
+
+class Fp8Linear(nn.Module):
+    """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic).
+
+    `weight` [N, K] float8_e4m3fn and `weight_scale` [N] float32 carry the checkpoint names of
+    FP8 checkpoints; `bias` stays in the activation dtype.
+    """
+
+    # Rows up to which CUDA runs the weight-only product instead of the FP8 library GEMM
+    # (decode at small batch). A class attribute, so a benchmark can move the boundary.
+    weight_only_max_rows = 16
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(out_features, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """Quantize `linear`'s weight per output channel (its bias is kept as is)."""
+        weight = linear.weight.detach()
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            weight.dtype,
+            weight.device,
+        )
+        with torch.no_grad():
+            amax = weight.float().abs().amax(dim=1)  # [N]
+            scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+            module.weight.copy_(quantize_fp8(weight, scale[:, None]))
+            module.weight_scale.copy_(scale)
+            if linear.bias is not None and module.bias is not None:
+                module.bias.copy_(linear.bias.detach())
+        return module
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """`W_q * w_scale[:, None]` in `dtype` (for references and tests)."""
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weight=float8_e4m3fn per-channel"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        if flat.device.type == "cuda":
+            out = self._forward_cuda(flat)
+        else:
+            out = self._forward_emulated(flat)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _uses_library_gemm(self, x: torch.Tensor) -> bool:
+        if x.shape[0] <= self.weight_only_max_rows or x.dtype != torch.bfloat16:
+            return False
+        if self.in_features % 16 or self.out_features % 16:
+            return False
+        return _has_rowwise_fp8_gemm(x.device.index)
+
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._uses_library_gemm(x):
+            return fp8_weight_matmul(x, self.weight, self.weight_scale, self.bias)
+        x_q, x_scale = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+        out = torch._scaled_mm(
+            x_q,
+            self.weight.t(),  # [K, N], column-major as the library wants it
+            scale_a=x_scale,
+            scale_b=self.weight_scale.view(1, -1),
+            out_dtype=x.dtype,
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def _forward_emulated(self, x: torch.Tensor) -> torch.Tensor:
+        """What CUDA computes, in plain torch: weight-only at few rows, else with the
+        activations quantized per token as the library path does."""
+        weight = self.weight.to(x.dtype)
+        if x.shape[0] <= self.weight_only_max_rows:
+            out = (x @ weight.t()) * self.weight_scale.to(x.dtype)
+        else:
+            x_q, x_scale = quantize_rows_reference(x)
+            out = (x_q.to(x.dtype) @ weight.t()) * (
+                x_scale.to(x.dtype) * self.weight_scale.to(x.dtype)[None, :]
+            )
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+@functools.cache
+def _has_rowwise_fp8_gemm(device_index: int | None) -> bool:
+    """Whether `torch._scaled_mm` takes per-row and per-column scales here (Hopper and newer);
+    decided once per device, since `forward` is a hot path."""
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) of every `nn.Linear` inside the decoder layers: the
+    projections FP8 applies to. The LM head and the embedding keep the model dtype."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no decoder layers (model.layers)")
+    found = []
+    for parent in layers.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                found.append((parent, name, child))
+    return found
+
+
+def quantize_projections(model: nn.Module) -> int:
+    """Replace every decoder projection by its per-channel FP8 quantization; returns how many.
+
+    Each bf16/fp16/fp32 weight is released as soon as its FP8 copy exists, so the peak is the
+    unquantized model plus one projection.
+    """
+    found = _projections(model)
+    for parent, name, linear in found:
+        setattr(parent, name, Fp8Linear.from_linear(linear))
+    return len(found)
+
+
+def install_fp8_projections(model: nn.Module) -> int:
+    """Replace every decoder projection by an uninitialised `Fp8Linear` of the same shape, on
+    the projection's device (meta before `to_empty`): the parameters an FP8 checkpoint fills."""
+    found = _projections(model)
+    for parent, name, linear in found:
+        fp8 = Fp8Linear(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            linear.weight.dtype,
+            linear.weight.device,
+        )
+        setattr(parent, name, fp8)
+    return len(found)

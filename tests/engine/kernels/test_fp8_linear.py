@@ -1,0 +1,73 @@
+"""FP8-weight matrix products and per-row FP8 quantization against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from davit_engine.kernels.fp8_linear import (
+    SMALL_ROWS_CONFIG,
+    fp8_weight_matmul,
+    fp8_weight_matmul_reference,
+    quantize_rows,
+    quantize_rows_reference,
+)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = (torch.randn(n, k, device=device) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, device=device) * 0.01 + 1e-3
+    return weight, scale
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])  # decode tile, partial tile, many rows
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_weight_matmul_matches_reference(device: torch.device, rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    n, k = 72, 80  # neither a multiple of the column block nor of the K block
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(rows, 2 * k, device=device)[:, ::2]  # rows strided: last dim must be 1
+    x = x.contiguous() if x.stride(1) != 1 else x
+    b = torch.randn(n, device=device) if bias else None
+    out = fp8_weight_matmul(x, weight, scale, b)
+    assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale, b)) < 1e-5
+
+
+def test_fp8_weight_matmul_row_stride(device: torch.device) -> None:
+    """Rows of a wider tensor (a view of a fused activation) are read through their stride."""
+    torch.manual_seed(5)
+    weight, scale = _weights(48, 64, device)
+    wide = torch.randn(4, 96, device=device)
+    x = wide[:, 16:80]
+    out = fp8_weight_matmul(x, weight, scale)
+    assert _rel_err(out, fp8_weight_matmul_reference(x.contiguous(), weight, scale)) < 1e-5
+
+
+def test_quantize_rows_matches_reference(device: torch.device) -> None:
+    torch.manual_seed(6)
+    x = torch.randn(7, 200, device=device) * torch.logspace(-3, 2, 7, device=device)[:, None]
+    x[3] = 0.0  # an all-zero row gets the minimum scale, not a division by zero
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = quantize_rows_reference(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert (q.float().abs().amax(dim=1)[[0, 1, 2, 4, 5, 6]] == 448).all()  # amax -> 448
+    assert _rel_err(q.float() * scale, x) < 0.03
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 16, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)])
+def test_fp8_weight_matmul_bf16_real_shapes(
+    device: torch.device, rows: int, n: int, k: int
+) -> None:
+    torch.manual_seed(7)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    out = fp8_weight_matmul(x, weight, scale)
+    assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale)) < 1e-2
+    assert SMALL_ROWS_CONFIG.block_m == 16

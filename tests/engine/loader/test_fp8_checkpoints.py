@@ -1,0 +1,134 @@
+"""FP8 checkpoints in the common safetensors layout (float8_e4m3fn projection weights with a
+per-tensor or per-channel `weight_scale`, config.json's quantization_config), and the schemes the
+loader refuses by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from davit_engine.config import EngineConfig
+from davit_engine.loader import load_model
+from davit_engine.models.llama import LlamaDecoderLayer
+from davit_engine.quant.fp8_linear import Fp8Linear
+from davit_engine.types import ParamError
+
+CPU = torch.device("cpu")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def _fp8_checkpoint(
+    source: Path, target: Path, quant: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """`source` (a float32 HF directory) as an FP8 checkpoint: attention projections with one
+    scale per tensor, MLP projections one per channel ([N, 1]); static activation and KV scales
+    as some checkpoints carry them. Returns the dequantized weights by checkpoint name."""
+    target.mkdir()
+    tensors = load_file(str(source / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if part not in PROJECTIONS:
+            out[name] = tensor
+            continue
+        per_channel = part in ("gate_proj", "up_proj", "down_proj")
+        amax = tensor.abs().amax(dim=1, keepdim=True) if per_channel else tensor.abs().amax()
+        scale = (amax / 448).float()
+        weight = (tensor / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[name] = weight
+        out[name.replace(".weight", ".weight_scale")] = scale if per_channel else scale.reshape(())
+        out[name.replace(".weight", ".input_scale")] = torch.tensor(0.1)
+        dequantized[name] = weight.float() * scale
+    layer0 = "model.layers.0.self_attn"
+    out[f"{layer0}.k_scale"] = torch.tensor(0.5)
+    out[f"{layer0}.v_scale"] = torch.tensor(0.5)
+    save_file(out, str(target / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quant or FP8_CONFIG
+    (target / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_fp8_checkpoint_loads_into_fp8_projections(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    dequantized = _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    loaded = load_model(EngineConfig(model=str(tmp_path / "fp8"), dtype="float32"), CPU)
+    assert loaded.quantization == "fp8"  # detected from quantization_config, no flag
+    layer = cast(LlamaDecoderLayer, loaded.model.model.layers[0])
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
+    c = loaded.config
+    # Each split projection's per-tensor scale fills its rows of the fused scale.
+    q_rows = qkv.dequantized_weight(torch.float32)[: c.q_size]
+    assert torch.equal(q_rows, dequantized["model.layers.0.self_attn.q_proj.weight"])
+    v_rows = qkv.dequantized_weight(torch.float32)[c.q_size + c.kv_size :]
+    assert torch.equal(v_rows, dequantized["model.layers.0.self_attn.v_proj.weight"])
+    gate_up = layer.mlp.gate_up_proj
+    assert isinstance(gate_up, Fp8Linear)
+    up = gate_up.dequantized_weight(torch.float32)[c.intermediate_size :]
+    assert torch.equal(up, dequantized["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_flag_on_an_fp8_checkpoint_is_the_same_model(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    model = str(tmp_path / "fp8")
+    a = load_model(EngineConfig(model=model, dtype="float32"), CPU).model
+    b = load_model(EngineConfig(model=model, dtype="float32", quantization="fp8"), CPU).model
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x.float(), y.float()), name
+
+
+def test_compressed_tensors_fp8_is_accepted(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+                                      "targets": ["Linear"]}},
+        "ignore": ["lm_head"],
+    }  # fmt: skip
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "ct", quant)
+    assert load_model(EngineConfig(model=str(tmp_path / "ct")), CPU).quantization == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("quant", "match"),
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+        ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}, "unquantized module"),
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}}},
+         "8-bit float weights"),
+    ],
+)  # fmt: skip
+def test_other_schemes_are_refused_by_field(
+    qwen3_tiny_dir: Path, tmp_path: Path, quant: dict[str, Any], match: str
+) -> None:
+    target = tmp_path / "model"
+    shutil.copytree(qwen3_tiny_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = quant
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ParamError, match=match) as err:
+        load_model(EngineConfig(model=str(target)), CPU)
+    assert "quantization_config" in err.value.message
+
+
+def test_unquantized_projection_in_an_fp8_checkpoint_is_refused(
+    qwen3_tiny_dir: Path, tmp_path: Path
+) -> None:
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(path))
+    with pytest.raises(ParamError, match="down_proj.weight.*float32.*float8_e4m3fn"):
+        load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU)

@@ -1,0 +1,97 @@
+"""`Fp8Linear`: per-channel quantization at load, the CPU arithmetic (FP8 storage, compute in
+the activation dtype) against a dequantized `nn.Linear`, which projections are swapped, and on a
+GPU the CUDA paths (weight-only product, FP8 library GEMM) against the CPU arithmetic."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import torch
+from torch import nn
+
+from davit_engine.config import EngineConfig
+from davit_engine.loader import load_model
+from davit_engine.models.llama import LlamaDecoderLayer
+from davit_engine.quant.fp8_linear import Fp8Linear, quantize_projections
+
+CPU = torch.device("cpu")
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _linear(n: int, k: int, bias: bool, device: torch.device = CPU) -> nn.Linear:
+    linear = nn.Linear(k, n, bias=bias, device=device)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-2, 1, n, device=device)[:, None])  # channel ranges
+    return linear
+
+
+def test_from_linear_scales_each_channel_to_its_maximum() -> None:
+    torch.manual_seed(0)
+    linear = _linear(24, 40, bias=True)
+    fp8 = Fp8Linear.from_linear(linear)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.weight_scale.dtype == torch.float32
+    assert (fp8.weight.float().abs().amax(dim=1) == 448).all()  # no channel saturates or idles
+    assert _rel_err(fp8.dequantized_weight(torch.float32), linear.weight) < 0.03
+    assert fp8.bias is not None and torch.equal(fp8.bias, linear.bias)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 200])  # weight-only up to 16 rows, then W8A8
+def test_cpu_arithmetic_is_close_to_the_dequantized_linear(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = _linear(48, 64, bias=True)
+    fp8 = Fp8Linear.from_linear(linear)
+    x = torch.randn(rows, 64)
+    dequantized = nn.functional.linear(x, fp8.dequantized_weight(torch.float32), fp8.bias)
+    out = fp8(x)
+    if rows <= Fp8Linear.weight_only_max_rows:  # same product, other summation order
+        assert _rel_err(out, dequantized) < 1e-5
+    else:  # activations quantized per token too: e4m3's rounding, no more
+        assert 1e-4 < _rel_err(out, dequantized) < 0.04
+    assert _rel_err(out, linear(x)) < 0.05
+
+
+def test_leading_dims_are_kept() -> None:
+    fp8 = Fp8Linear.from_linear(_linear(8, 16, bias=False))
+    assert fp8(torch.randn(2, 3, 16)).shape == (2, 3, 8)
+
+
+def test_quantize_projections_swaps_decoder_projections_only() -> None:
+    loaded = load_model(EngineConfig(model="random:qwen2-tiny", dtype="float32"), CPU)
+    model = loaded.model
+    count = quantize_projections(model)
+    layers = len(model.model.layers)
+    assert count == 4 * layers  # qkv, o, gate_up, down
+    for layer in (cast(LlamaDecoderLayer, m) for m in model.model.layers):
+        assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
+        assert layer.self_attn.qkv_proj.bias is not None  # Qwen2's q/k/v bias is kept
+        assert isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert type(model.lm_head) is nn.Linear  # the head keeps the model dtype
+
+
+def test_load_with_quantization_flag_reports_fp8() -> None:
+    loaded = load_model(
+        EngineConfig(model="random:qwen3-tiny", dtype="float32", quantization="fp8"), CPU
+    )
+    assert loaded.quantization == "fp8"
+    layer = cast(LlamaDecoderLayer, loaded.model.model.layers[0])
+    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
+def test_cuda_paths_match_the_cpu_arithmetic(device: torch.device, rows: int) -> None:
+    """Up to 16 rows the Triton weight-only product, beyond that per-token quantization and
+    torch._scaled_mm (bf16 on sm_90): both within bf16 rounding of the CPU arithmetic."""
+    torch.manual_seed(rows)
+    linear = _linear(1024, 512, bias=True, device=device).to(torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(linear)
+    x = torch.randn(rows, 512, device=device, dtype=torch.bfloat16)
+    out = fp8(x)
+    cpu = Fp8Linear.from_linear(linear.float().cpu())
+    expected = cpu(x.float().cpu())
+    assert out.dtype == torch.bfloat16
+    assert _rel_err(out.float().cpu(), expected) < 1e-2

@@ -1,0 +1,149 @@
+"""Quality of FP8 weights and an FP8 KV cache against the unquantized model: perplexity on a
+fixed text and greedy agreement, on any device.
+
+- `perplexity`: the text's token ids go through the model in prefill chunks of `chunk` tokens
+  over one paged KV cache of the configuration's element type, so every token after the first
+  chunk attends to keys and values read back from that cache (FP8 ones included; within a
+  chunk too, since the cache is written before attention reads it); the figure is
+  exp(mean negative log-likelihood of each next token).
+- `greedy_completions`: 32 prompts cut from the same text (`PROMPT_TOKENS` each, evenly spaced)
+  run through an engine core with the configuration, `OUTPUT_TOKENS` greedy tokens each, EOS
+  ignored; `agreement` compares two sets of completions token by token.
+
+Configurations are `QualityConfig`s: the EngineConfig flags that matter (`quantization`,
+`kv_cache_dtype`), so the loader, the calibration of the KV scales and the runner are the ones
+that serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NUM_PROMPTS = 32
+PROMPT_TOKENS = 48
+OUTPUT_TOKENS = 32
+CHUNK_TOKENS = 512
+_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """One column of the quality table: a name and the FP8 flags."""
+
+    name: str
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+
+
+CONFIGS = (
+    QualityConfig("baseline"),
+    QualityConfig("fp8-weights", quantization="fp8"),
+    QualityConfig("fp8-kv", kv_cache_dtype="fp8"),
+    QualityConfig("fp8-both", quantization="fp8", kv_cache_dtype="fp8"),
+)
+
+
+def engine_config(base: Any, quality: QualityConfig) -> Any:
+    """`base` (an EngineConfig) with the configuration's FP8 flags."""
+    return dataclasses.replace(
+        base, quantization=quality.quantization, kv_cache_dtype=quality.kv_cache_dtype
+    )
+
+
+def perplexity(loaded: Any, token_ids: list[int], device: torch.device, backend: Any = None,
+               chunk: int = CHUNK_TOKENS) -> float:  # fmt: skip
+    """Perplexity of `token_ids` under `loaded` (a LoadedModel), see the module docstring.
+    `backend` defaults to the plain-torch paged attention."""
+    from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
+
+    model, c = loaded.model, loaded.config
+    num = len(token_ids)
+    num_blocks = -(-num // _BLOCK)
+    caches = [
+        torch.zeros(2, num_blocks, _BLOCK, c.num_kv_heads, c.head_dim,
+                    dtype=loaded.kv_storage_dtype, device=device)
+        for _ in range(c.num_layers)
+    ]  # fmt: skip
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    total = 0.0
+    with torch.inference_mode():
+        for start in range(0, num - 1, chunk):
+            end = min(num, start + chunk)
+            positions = torch.arange(start, end, device=device)
+            meta = AttentionMetadata(
+                slot_mapping=positions,
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+                block_tables=tables,
+                max_query_len=end - start,
+                max_seq_len=end,
+                backend=backend or TorchPagedAttention(),
+            )
+            hidden = model(ids[start:end], positions, caches, meta)  # [n, hidden]
+            targets = ids[start + 1 : end + 1]
+            logits = model.compute_logits(hidden[: targets.shape[0]])  # [n', V] float32
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+    return math.exp(total / (num - 1))
+
+
+def agreement_prompts(token_ids: list[int]) -> list[list[int]]:
+    """`NUM_PROMPTS` windows of `PROMPT_TOKENS` ids, evenly spaced over the text."""
+    last = len(token_ids) - PROMPT_TOKENS
+    stride = max(1, last // (NUM_PROMPTS - 1))
+    return [token_ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(NUM_PROMPTS)]
+
+
+def greedy_completions(config: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions (`OUTPUT_TOKENS`, EOS ignored) of every prompt, batched through an
+    engine core built from `config` (an EngineConfig)."""
+    from davit_engine.engine_core import EngineCore
+    from davit_engine.types import EngineRequest, SamplingParams
+
+    core = EngineCore(config)
+    try:
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineRequest(f"agree-{i}", list(prompt), params))
+            outputs[f"agree-{i}"] = []
+        while core.has_unfinished_requests():
+            for delta in core.step():
+                outputs[delta.request_id].extend(delta.new_token_ids)
+    finally:
+        core.shutdown()
+    return [outputs[f"agree-{i}"] for i in range(len(prompts))]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    identical: int  # completions equal token for token
+    first_token: int  # completions whose first token is equal
+    mean_common_prefix: float  # tokens before the first difference, averaged
+    total: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> Agreement:
+    prefixes = []
+    for ref, out in zip(reference, other, strict=True):
+        n = 0
+        while n < min(len(ref), len(out)) and ref[n] == out[n]:
+            n += 1
+        prefixes.append(n)
+    return Agreement(
+        identical=sum(r == o for r, o in zip(reference, other, strict=True)),
+        first_token=sum(
+            bool(r) and bool(o) and r[0] == o[0] for r, o in zip(reference, other, strict=True)
+        ),
+        mean_common_prefix=round(sum(prefixes) / len(prefixes), 2),
+        total=len(reference),
+    )
