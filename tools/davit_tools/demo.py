@@ -101,6 +101,8 @@ def run_demo(example_names: list[str], timeout: float) -> int:
                     "--no-memory-profiling",  # fake nodes: no profiling Job can report
                 ],
                 stdout=log,
+                    "--model-cache",  # fake nodes: no fetch Job runs, the pods fetch themselves
+                    "emptyDir",
                 stderr=subprocess.STDOUT,
             )
             _section("kubectl apply: " + ", ".join([*example_names, "(one spec to refuse)"]))

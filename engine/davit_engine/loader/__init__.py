@@ -86,7 +86,11 @@ def read_model_config(model: str) -> ModelConfig:
     if kind == "gguf":
         return gguf_file.read_config(path)
     if not path.exists():
-        raise ParamError("model", f"{model}: no such file or directory")
+        raise ParamError(
+            "model",
+            f"{model}: no such file or directory (under the Davit operator: check the "
+            "InferenceService's spec.model.source, and spec.model.file for a GGUF file)",
+        )
     if not path.is_dir():
         raise ParamError(
             "model", f"{model}: expected a Hugging Face directory, a .gguf file or random:<shape>"

@@ -59,7 +59,10 @@ def resolve_snapshot(repo_id: str, revision: str | None, cache: Path | None = No
     how = (
         f"this engine does not download models: put {repo_id} (revision {revision}) into the "
         f"Hugging Face cache first (`huggingface-cli download {repo_id} --revision {revision}` "
-        "with HF_HOME pointing at the same cache), or serve a local directory or a pvc:// source"
+        "with HF_HOME pointing at the same cache), or serve a local directory or a pvc:// source; "
+        "under the Davit operator, check the InferenceService's spec.model.source and "
+        "spec.model.revision (the operator fetches them into spec.model.cache before any "
+        "replica starts)"
     )
     if not repo_dir.is_dir():
         raise ParamError("model", f"{repo_id} is not in the Hugging Face cache at {cache}; {how}")

@@ -65,6 +65,41 @@ class ModelShapeSpec(CrdModel):
     tie_word_embeddings: bool = Field(default=False, description="tie_word_embeddings.")
 
 
+class ModelCacheSpec(CrdModel):
+    """The model cache: a ReadWriteMany PersistentVolumeClaim every replica mounts read-only."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "!(has(self.claimName) && self.emptyDir)",
+                    "model.cache.claimName and model.cache.emptyDir exclude each other",
+                    ".emptyDir",
+                )
+            ]
+        }
+    )
+
+    claim_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=(
+            "A ReadWriteMany PersistentVolumeClaim in this namespace: the operator fetches each "
+            "(source, revision) into it once with a fetch Job, shared by every service and "
+            "replica that needs it; replicas mount it read-only and run offline."
+        ),
+    )
+    empty_dir: bool = Field(
+        default=False,
+        description=(
+            "Opt out of the cache: each pod gets an empty directory as its Hugging Face home "
+            "and must find or fetch the model itself (vLLM downloads hf:// models on every "
+            "start; the Davit engine never downloads, and s3:// needs the cache)."
+        ),
+    )
+
+
 class ModelSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -83,6 +118,25 @@ class ModelSpec(CrdModel):
                     ".file",
                 ),
                 cel_rule(
+                    "!self.source.startsWith('s3://') || has(self.revision)",
+                    "model.revision is required for s3:// sources: name the version of the "
+                    "objects (a label you choose; a new label fetches the objects again)",
+                    ".revision",
+                    reason="FieldValueRequired",
+                ),
+                cel_rule(
+                    "!has(self.endpoint) || self.source.startsWith('hf://') || "
+                    "self.source.startsWith('s3://')",
+                    "model.endpoint applies to hf:// and s3:// sources only",
+                    ".endpoint",
+                ),
+                cel_rule(
+                    "!has(self.credentialsSecret) || self.source.startsWith('hf://') || "
+                    "self.source.startsWith('s3://')",
+                    "model.credentialsSecret applies to hf:// and s3:// sources only",
+                    ".credentialsSecret",
+                ),
+                cel_rule(
                     "!has(self.file) || self.source.startsWith('pvc://')",
                     "model.file names a file on a volume and needs a pvc:// source; hf:// and "
                     "random:// sources are loaded as repositories",
@@ -96,10 +150,13 @@ class ModelSpec(CrdModel):
         max_length=512,
         pattern=r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
         r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)+"
+        r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9._-]+)+"
         r"|random://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)$",
         description=(
-            "Where the weights come from: hf://ORG/NAME (a Hugging Face repository), "
-            "pvc://CLAIM/PATH (a directory or file on a PersistentVolumeClaim in the same "
+            "Where the weights come from: hf://ORG/NAME (a Hugging Face repository) or "
+            "s3://BUCKET/PREFIX (an S3-compatible object store), fetched once per revision "
+            "into the model cache (model.cache); pvc://CLAIM/PATH (a directory or file on a "
+            "PersistentVolumeClaim in the same "
             "namespace, mounted read-only), or random://SHAPE (random weights of a shape the "
             "engine knows, davit only) or random://ORG/NAME (random weights in the shape of that "
             "repository's config), for benchmarks."
@@ -110,8 +167,40 @@ class ModelSpec(CrdModel):
         max_length=128,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
         description=(
-            "Exact revision of an hf:// source (commit hash or tag). Required for hf:// so that "
-            "every replica and every restart loads the same weights."
+            "Exact revision of an hf:// source (commit hash, tag or branch, resolved to a "
+            "commit once when fetched), or the version label of an s3:// source. Required for "
+            "both, so that every replica and every restart loads the same weights; a change "
+            "fetches the new revision before any replica switches to it."
+        ),
+    )
+    endpoint: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$",
+        description=(
+            "Base URL of the hub (hf://; default: the operator's --hf-endpoint, else the "
+            "public hub) or of the S3-compatible endpoint (s3://; default: the operator's "
+            "--s3-endpoint)."
+        ),
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=(
+            "A Secret in this namespace holding the source's credentials: key HF_TOKEN for "
+            "hf:// (gated or private repositories); AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN) for s3://. Only the fetch "
+            "Job gets them, by reference; they never appear in status, events or engine "
+            "arguments."
+        ),
+    )
+    cache: ModelCacheSpec = Field(
+        default_factory=lambda: ModelCacheSpec(),
+        json_schema_extra={"default": {}},
+        description=(
+            "Where hf:// and s3:// models are fetched to. Default: the claim named by the "
+            "operator's --model-cache."
         ),
     )
     file: str | None = Field(

@@ -24,6 +24,7 @@ IMAGE_RESOLVED = "ImageResolved"
 RUNNER_SELECTED = "RunnerSelected"
 SCHEDULABLE = "Schedulable"
 MEMORY_PLANNED = "MemoryPlanned"
+MODEL_READY = "ModelReady"
 
 
 class Condition(CrdModel):
@@ -94,6 +95,27 @@ class MemoryPlanStatus(CrdModel):
     )
 
 
+class ModelStatus(CrdModel):
+    source: str = Field(description="model.source.")
+    revision: str | None = Field(default=None, description="model.revision.")
+    state: Literal["Present", "Fetching", "Failed", "Mounted", "Unmanaged", "NotNeeded"] = Field(
+        description=(
+            "Present: in the model cache; Fetching: the fetch Job runs (replicas and profiling "
+            "wait); Failed: the fetch failed (see the ModelReady condition); Mounted: a pvc:// "
+            "source, mounted as it is; Unmanaged: model.cache.emptyDir, the pods fetch it "
+            "themselves; NotNeeded: random weights."
+        )
+    )
+    cache: str | None = Field(default=None, description="The model cache claim.")
+    entry: str | None = Field(
+        default=None, description="The cache entry: fetch Job and record ConfigMap name."
+    )
+    commit: str | None = Field(default=None, description="The commit the revision resolved to.")
+    bytes_done: int | None = Field(default=None, description="Bytes in the cache so far.")
+    bytes_total: int | None = Field(default=None, description="Bytes the engine needs.")
+    files: int | None = Field(default=None, description="Files the engine needs.")
+
+
 class InferenceServiceStatus(CrdModel):
     observed_generation: int | None = Field(
         default=None, description="metadata.generation the status describes."
@@ -128,6 +150,9 @@ class InferenceServiceStatus(CrdModel):
     replica_summary: str | None = Field(default=None, description="READY/DESIRED (printer column).")
     url: str | None = Field(
         default=None, description="In-cluster base URL of the OpenAI-compatible API."
+    )
+    model: ModelStatus | None = Field(
+        default=None, description="Where the model of the spec stands: fetched, mounted, failed."
     )
     rollout: RolloutStatus | None = Field(
         default=None, description="The rollout of the latest spec change."

@@ -15,7 +15,12 @@ from typing import Any
 
 from davit_operator.api.identity import GROUP
 from davit_operator.builders.metadata import MANAGED_BY, Owner, owner_reference
-from davit_operator.builders.pod import engine_volume_mounts, engine_volumes, scheduling
+from davit_operator.builders.pod import (
+    engine_volume_mounts,
+    engine_volumes,
+    model_env,
+    scheduling,
+)
 from davit_operator.planning.memory import KV_FLAG
 from davit_operator.planning.plan import Plan
 
@@ -54,7 +59,7 @@ def profile_args(args: list[str]) -> list[str]:
 
 def profile_job(plan: Plan, owner: Owner, identity_hash: str) -> dict[str, Any]:
     """The profiling Job for `plan` (whose image and placement the replicas will use)."""
-    env = list(plan.invocation.env)
+    env = model_env(plan)
     env.append({"name": IMAGE_DIGEST_ENV, "value": plan.image.digest or plan.image.reference})
     env.append({"name": MODEL_REVISION_ENV, "value": plan.spec.model.revision or ""})
     mounts = engine_volume_mounts(plan)

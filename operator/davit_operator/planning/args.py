@@ -19,6 +19,8 @@ from davit_operator.planning.runner import SelectedRunner
 ENGINE_PORT = 8000
 MODEL_CACHE_DIR = "/var/cache/davit"
 MODELS_DIR = "/models"
+# The model cache claim, mounted read-only (hf/ is a hub cache, s3/ plain directories).
+MODEL_STORE_DIR = f"{MODEL_CACHE_DIR}/models"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ def _model_location(spec: InferenceServiceSpec) -> tuple[str, list[str], list[Mo
         if spec.model.file:
             location = f"{location}/{spec.model.file}"
         return location, [], [mount]
+    if scheme == "s3":
+        # The fetch Job's directory for this revision in the model cache (davit_operator.fetch).
+        return f"{MODEL_STORE_DIR}/s3/{rest}/{spec.model.revision}", [], []
     flags: list[str] = []
     if spec.model.revision:
         flags += ["--revision", spec.model.revision]

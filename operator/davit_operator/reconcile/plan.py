@@ -16,13 +16,14 @@ from pydantic import ValidationError
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders.metadata import Owner
+from davit_operator.delivery import Delivery, resolve_delivery
 from davit_operator.kube import KubeError
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.plan import Plan, default_shapes, make_plan
 from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
 from davit_operator.reconcile.indexes import Indexes, KubeObject, ObjectKey
 from davit_operator.reconcile.memo import ObjectMemo
-from davit_operator.reconcile.runtime import Runtime
+from davit_operator.reconcile.runtime import EMPTY_DIR_CACHE, Runtime
 from davit_operator.rollout.controller import RolloutResult, plan_rollout
 
 
@@ -67,6 +68,7 @@ class Planned:
     plan: Plan | None
     error: PlanError | None = None
     rollout: RolloutResult | None = None
+    delivery: Delivery | None = None
 
     def desired_children(self, owner: Owner) -> list[KubeObject]:
         """The children to apply (none without a rollout decision)."""
@@ -96,12 +98,70 @@ def child_rejected(exc: KubeError) -> PlanError:
     )
 
 
+def with_model_cache(spec: InferenceServiceSpec, default: str | None) -> InferenceServiceSpec:
+    """`spec` with the operator's default model cache (a claim name, or EMPTY_DIR_CACHE to opt
+    out for every service) where the spec names none. Raises PlanError when an hf:// or s3://
+    model has no cache to go to."""
+    model = spec.model
+    scheme = model.source.partition("://")[0]
+    if scheme not in ("hf", "s3"):
+        return spec
+    cache = model.cache
+    if cache.claim_name is None and not cache.empty_dir and default is not None:
+        if default == EMPTY_DIR_CACHE:
+            cache = cache.model_copy(update={"empty_dir": True})
+        else:
+            cache = cache.model_copy(update={"claim_name": default})
+    if cache.empty_dir and scheme == "s3":
+        raise PlanError(
+            field="model.cache.emptyDir",
+            value=True,
+            reason="ModelCacheRequired",
+            condition="",
+            message="model.source s3:// is fetched only into the model cache (no engine reads "
+            "S3 itself); set model.cache.claimName to a ReadWriteMany PersistentVolumeClaim",
+        )
+    if cache.claim_name is None and not cache.empty_dir:
+        raise PlanError(
+            field="model.cache.claimName",
+            value=None,
+            reason="ModelCacheRequired",
+            condition="",
+            message=f"model.source {model.source} is fetched once into a model cache, and none "
+            "is configured: set model.cache.claimName to a ReadWriteMany PersistentVolumeClaim "
+            "in this namespace (or start the operator with --model-cache CLAIM), or opt out "
+            "with model.cache.emptyDir: true (each pod then fetches the model itself)",
+        )
+    if cache == model.cache:
+        return spec
+    return spec.model_copy(update={"model": model.model_copy(update={"cache": cache})})
+
+
+def fetch_failed(delivery: Delivery) -> PlanError:
+    """A fetch that failed for good: the user must fix the spec, the Secret or the source."""
+    field = {
+        "Unauthorized": "model.credentialsSecret",
+        "RevisionNotFound": "model.revision",
+        "DiskFull": "model.cache.claimName",
+    }.get(delivery.reason or "", "model.source")
+    return PlanError(
+        field=field,
+        value=None,
+        reason=delivery.reason or "FetchFailed",
+        condition="",
+        message=delivery.message,
+    )
+
+
 async def _plan_spec(
     runtime: Runtime, body: kopf.Body, subject: Subject, indexes: Indexes
-) -> tuple[Plan | None, PlanError | None]:
+) -> tuple[Plan | None, PlanError | None, Delivery | None]:
     plan: Plan | None = None
+    delivery: Delivery | None = None
     try:
-        spec = InferenceServiceSpec.model_validate(subject.spec)
+        spec = with_model_cache(
+            InferenceServiceSpec.model_validate(subject.spec), runtime.model_cache
+        )
         shapes = (
             await runtime.model_configs.shapes_for(spec, default_shapes())
             if runtime.model_configs is not None
@@ -110,16 +170,24 @@ async def _plan_spec(
         plan = make_plan(
             subject.name, subject.namespace, spec, runtime.catalog, indexes.node_list(), shapes
         )
+        # The model comes first: profiling and replicas both need it in the cache.
+        delivery = await resolve_delivery(runtime.kube, plan, subject.owner, runtime.fetch)
+        if delivery.action:
+            runtime.post_event(body, "Normal", "ModelFetch", delivery.action)
+        if delivery.state == "Failed":
+            return plan, fetch_failed(delivery), delivery
+        if not delivery.replicas_may_start:
+            return plan, None, delivery
         if runtime.profile_memory and needs_profile(plan):
             profiled = await resolve_profile(runtime.kube, plan, subject.owner, runtime.profiles)
             plan = profiled.plan
             if profiled.action:
                 runtime.post_event(body, "Normal", "MemoryProfile", profiled.action)
     except ValidationError as exc:
-        return plan, spec_error(exc)
+        return plan, spec_error(exc), delivery
     except PlanError as exc:
-        return plan, exc
-    return plan, None
+        return plan, exc, delivery
+    return plan, None, delivery
 
 
 async def plan_object(
@@ -127,10 +195,17 @@ async def plan_object(
 ) -> Planned:
     """Plan the spec and, once replicas may start, decide the rollout. Raises KubeError only
     for errors worth retrying; a refusal becomes the `error` of a Planned without a plan."""
-    plan, error = await _plan_spec(runtime, body, subject, indexes)
+    plan, error, delivery = await _plan_spec(runtime, body, subject, indexes)
+    if delivery is not None and not delivery.replicas_may_start:
+        # The model is not in the cache yet (or cannot get there): nothing changes for the
+        # replicas, so a running revision keeps serving. While replicas of an earlier spec
+        # run, the status keeps describing them (no plan); the conditions say what happens.
+        running = indexes.named("Deployment", subject.key, subject.name) is not None
+        keep = None if (running or error is not None) else plan
+        return Planned(keep, error, delivery=delivery)
     # While the profiling Job runs, no replica starts: they all get its KV size.
     if plan is None or not replicas_may_start(plan):
-        return Planned(plan, error)
+        return Planned(plan, error, delivery=delivery)
     nodes = indexes.node_list()
     try:
         rollout = await plan_rollout(
@@ -148,5 +223,5 @@ async def plan_object(
     except KubeError as exc:
         if exc.is_temporary:
             raise
-        return Planned(None, child_rejected(exc))
-    return Planned(plan, error, rollout)
+        return Planned(None, child_rejected(exc), delivery=delivery)
+    return Planned(plan, error, rollout, delivery)

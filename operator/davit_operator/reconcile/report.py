@@ -12,30 +12,53 @@ from typing import Any
 
 import kopf
 
-from davit_operator.api.status import READY, STALLED, InferenceServiceStatus
+from davit_operator.api.status import READY, STALLED, Condition, InferenceServiceStatus
 from davit_operator.metrics import STATUS_WRITES
 from davit_operator.reconcile.apply import Outcome
 from davit_operator.reconcile.plan import Subject
 from davit_operator.reconcile.runtime import EventPoster
 from davit_operator.rollout.status import rollout_status
 from davit_operator.status.compute import compute_status
+from davit_operator.status.model import with_model
 from davit_operator.status.patch import status_patch
 
 
 def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceServiceStatus:
     """The status this reconcile owns, computed from what it planned and observed."""
     planned = outcome.planned
-    status = compute_status(
-        plan=planned.plan,
-        error=planned.error,
-        deployment=outcome.deployment,
-        old_status=subject.status,
-        generation=subject.generation,
-        now=now,
-    )
+    if planned.plan is None and planned.error is None:
+        # A new model revision is being fetched while the replicas of the last one serve: the
+        # status keeps describing them; the model's conditions say what happens next.
+        status = InferenceServiceStatus(
+            observed_generation=subject.generation,
+            conditions=[
+                Condition.model_validate(c) for c in subject.status.get("conditions") or []
+            ],
+        )
+    else:
+        status = compute_status(
+            plan=planned.plan,
+            error=planned.error,
+            deployment=outcome.deployment,
+            old_status=subject.status,
+            generation=subject.generation,
+            now=now,
+        )
     if planned.plan is not None and planned.rollout is not None:
         status = rollout_status(
             planned.rollout.decision, status, subject.status, now, subject.generation
+        )
+    if planned.delivery is not None:
+        model = subject.spec.get("model") or {}
+        status = with_model(
+            status,
+            planned.delivery,
+            str(model.get("source", "")),
+            model.get("revision"),
+            has_replicas=outcome.deployment is not None,
+            written=subject.status,
+            now=now,
+            generation=subject.generation,
         )
     return status
 

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 
 import kopf
 
+from davit_operator.builders.fetch_job import FetchSettings
 from davit_operator.catalog.loader import Catalog
 from davit_operator.kube import KubeClient
 from davit_operator.model_config import ModelConfigSource
 from davit_operator.profiling import ProfileCache
+
+# The operator-wide opt-out of the model cache (`davit operator --model-cache emptyDir`).
+EMPTY_DIR_CACHE = "emptyDir"
 
 EventPoster = Callable[[kopf.Body, str, str, str], None]  # (body, type, reason, message)
 
@@ -34,3 +38,6 @@ class Runtime:
     # config.json over HTTP for shapes the catalog lacks (davit_operator.model_config).
     model_configs: ModelConfigSource | None = None
     profiles: ProfileCache = field(default_factory=ProfileCache)
+    # The model cache claim for specs that name none (or EMPTY_DIR_CACHE); None: they must.
+    model_cache: str | None = None
+    fetch: FetchSettings = field(default_factory=FetchSettings)

@@ -14,6 +14,7 @@ from typing import Any
 from davit_operator.api.status import (
     IMAGE_RESOLVED,
     MEMORY_PLANNED,
+    MODEL_READY,
     READY,
     RECONCILING,
     RUNNER_SELECTED,
@@ -31,6 +32,7 @@ CONDITION_ORDER = (
     IMAGE_RESOLVED,
     RUNNER_SELECTED,
     SCHEDULABLE,
+    MODEL_READY,
     MEMORY_PLANNED,
 )
 

@@ -19,7 +19,7 @@ from davit_operator.reconcile.apply import apply_children
 from davit_operator.reconcile.indexes import Indexes
 from davit_operator.reconcile.memo import ObjectMemo
 from davit_operator.reconcile.reconciler import reconcile
-from davit_operator.reconcile.runtime import Runtime
+from davit_operator.reconcile.runtime import EMPTY_DIR_CACHE, Runtime
 from tests.operator.isvc_helpers import make_spec, spec_dict
 
 CATALOG = load_catalog()
@@ -131,7 +131,13 @@ def _reconcile(client: RecordingClient, body: dict[str, Any]) -> kopf.Patch:
     asyncio.run(
         reconcile(
             trigger="create",
-            runtime=Runtime(catalog=CATALOG, kube=client, post_event=_record),  # type: ignore[arg-type]
+            runtime=Runtime(
+                catalog=CATALOG,
+                kube=client,  # type: ignore[arg-type]
+                post_event=_record,
+                # These specs name hf:// models: opt out of the cache (no fetch Job here).
+                model_cache=EMPTY_DIR_CACHE,
+            ),
             body=kopf.Body(body),
             patch=patch,
             indexes=_indexes(),
