@@ -118,20 +118,29 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class MemoryProfile:
+    """`offload` (optional, added within schema version 1): the KV offload tiers' sizes
+    (`cpu_bytes`, `cpu_blocks`, `cpu_token_capacity`, `disk_bytes`, `disk_blocks`,
+    `disk_token_capacity`, `gpu_staging_bytes`, `host_bounce_blocks`); their GPU staging
+    buffers are part of `kv_cache_bytes`, so `num_blocks` counts them too."""
+
     identity: ProfileIdentity
     memory: MemoryBreakdown
     schema_version: int = SCHEMA_VERSION
+    offload: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         memory = asdict(self.memory)
         memory["cuda_graph_sizes"] = list(self.memory.cuda_graph_sizes)
-        return {
+        data: dict[str, Any] = {
             "kind": PROFILE_KIND,
             "schemaVersion": self.schema_version,
             "identityHash": self.identity.hash(),
             "identity": asdict(self.identity),
             "memory": memory,
         }
+        if self.offload is not None:
+            data["offload"] = dict(self.offload)
+        return data
 
     def to_json(self) -> str:
         """One line of sorted JSON (a termination message holds at most 4096 bytes)."""
@@ -155,7 +164,16 @@ class MemoryProfile:
         memory_data = dict(raw_memory)
         memory_data["cuda_graph_sizes"] = tuple(memory_data.get("cuda_graph_sizes") or ())
         memory = _build(MemoryBreakdown, memory_data, "memory")
-        profile = cls(identity=identity, memory=memory)
+        offload = data.get("offload")
+        if offload is not None and (
+            not isinstance(offload, dict)
+            or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                for k, v in offload.items()
+            )
+        ):
+            raise ProfileFormatError("offload must be an object of integers")
+        profile = cls(identity=identity, memory=memory, offload=offload)
         stated = data.get("identityHash")
         if stated is not None and stated != identity.hash():
             raise ProfileFormatError(

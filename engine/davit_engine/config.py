@@ -16,6 +16,8 @@ KvCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 Quantization = Literal["fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --kv-offloading-backend values: upstream also names "lmcache" (an external server).
+KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,13 @@ class EngineConfig:
     trust_remote_code: bool = False
     # --speculative-config, validated (runner V2 only).
     speculative_config: SpeculativeConfig | None = None
+    # KV offload tiers below the GPU prefix cache (davit_engine.offload): the CPU tier in GiB
+    # (upstream's --kv-offloading-size, its name and unit) and its backend, and the disk tier's
+    # folder and size in bytes (no upstream flag of its own).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_bytes: int | None = None
 
     def validate(self) -> None:
         if self.block_size not in engine_defaults.BLOCK_SIZES:
@@ -104,6 +113,38 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self.speculative_config.validate()
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        size = self.kv_offloading_size
+        if size is not None and not (size > 0 and size < float("inf")):
+            raise ParamError(
+                "--kv-offloading-size", f"must be a positive number of GiB, got {size}"
+            )
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ParamError(
+                "--kv-offloading-backend",
+                f"must be one of {', '.join(KV_OFFLOADING_BACKENDS)} (Davit has no LMCache "
+                f"connector), got {self.kv_offloading_backend!r}",
+            )
+        has_path = self.kv_offload_disk_path is not None
+        has_bytes = self.kv_offload_disk_bytes is not None
+        if has_path != has_bytes:
+            missing = "--kv-offload-disk-bytes" if has_path else "--kv-offload-disk-path"
+            raise ParamError(missing, "the disk tier needs both a folder and a size")
+        if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes < 1:
+            raise ParamError("--kv-offload-disk-bytes", "must be positive")
+        if self.kv_offload_disk_path == "":
+            raise ParamError("--kv-offload-disk-path", "must name a folder")
+        if self.has_kv_offload and not self.enable_prefix_caching:
+            flag = "--kv-offloading-size" if size is not None else "--kv-offload-disk-path"
+            raise ParamError(
+                flag, "KV offload stores prefix-cache blocks: it needs --enable-prefix-caching"
+            )
+
+    @property
+    def has_kv_offload(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_offload_disk_path is not None
 
     @property
     def model_name(self) -> str:

@@ -21,6 +21,9 @@ from davit_engine.engine_flags import load_logits_processors
 from davit_engine.isolating_runner import isolating
 from davit_engine.loader import load_model
 from davit_engine.memory.allocator import configure_cuda_allocator
+from davit_engine.offload import PROFILE_OFFLOAD_KEYS, build_tiers, staging_chunk
+from davit_engine.offload.mover import staging_blocks
+from davit_engine.offload.runner import OffloadingRunner
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.capability import check_request
 from davit_engine.runner.select import create_runner, resolve_device, select_runner
@@ -34,6 +37,9 @@ from davit_engine.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How long an engine step with nothing but offload loads pending waits for them.
+_IDLE_LOAD_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class ModelInfo:
     # --speculative-config as run (SpeculativeConfig.to_info(): method, K, verification and
     # whether it is lossy), None without speculative decoding.
     speculative: dict[str, Any] | None = None
+    # The KV offload tiers (davit_engine.offload.offload_info), None without them.
+    kv_offload: dict[str, Any] | None = None
 
 
 class EngineCore:
@@ -86,6 +94,15 @@ class EngineCore:
         self.runner: ModelRunner = create_runner(kind, config, loaded, device)
         num_blocks = self.runner.determine_num_blocks()
         self.memory_profile: MemoryProfile | None = getattr(self.runner, "memory_profile", None)
+        # The offload tiers' GPU staging buffers come out of the KV cache's bytes.
+        chunk = staging_chunk(config, device, num_blocks)
+        if device.type == "cuda" and chunk:
+            num_blocks -= staging_blocks(chunk)
+            if num_blocks < 1:
+                raise ParamError(
+                    "--kv-offloading-size",
+                    "the KV cache is too small to give the offload tiers their staging buffers",
+                )
         capacity = num_blocks * config.block_size
         model_max = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
@@ -102,12 +119,22 @@ class EngineCore:
                 capacity,
             )
         self.runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config, num_blocks, max_model_len)
+        self.tiers = build_tiers(config, self.runner, max_model_len, chunk)
+        if self.tiers is not None and self.memory_profile is not None:
+            info = self.tiers.info
+            self.memory_profile = dataclasses.replace(
+                self.memory_profile,
+                offload={k: int(info[k]) for k in PROFILE_OFFLOAD_KEYS},
+            )
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, tiers=self.tiers)
         async_scheduling = config.async_scheduling and self.runner.supports_async_scheduling
         if config.async_scheduling and not async_scheduling:
             logger.info("runner %s schedules synchronously (no asynchronous scheduling)", kind)
         self.isolation = isolating(self.runner, self.scheduler)
-        self.pipeline = StepPipeline(self.scheduler, self.isolation, async_scheduling)
+        stepping: ModelRunner = self.isolation
+        if self.tiers is not None:
+            stepping = OffloadingRunner(self.isolation, self.tiers)
+        self.pipeline = StepPipeline(self.scheduler, stepping, async_scheduling)
         self.model_info = ModelInfo(
             served_model_name=config.model_name,
             max_model_len=self.scheduler.max_model_len,
@@ -125,6 +152,7 @@ class EngineCore:
             async_scheduling=async_scheduling,
             revision=config.revision,
             speculative=config.speculative_config.to_info() if config.speculative_config else None,
+            kv_offload=dict(self.tiers.info) if self.tiers is not None else None,
         )
         self._aborted: list[RequestDelta] = []
         logger.info(
@@ -177,6 +205,15 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; returns the deltas it produced (aborts first)."""
+        if (
+            self.tiers is not None
+            and not self._aborted
+            and not self.scheduler.has_runnable
+            and not self.pipeline.has_in_flight
+        ):
+            # Only loads from the offload tiers are pending: wait for them a moment instead of
+            # spinning through empty steps.
+            self.tiers.wait(_IDLE_LOAD_WAIT_S)
         deltas, self._aborted = self._aborted, []
         deltas.extend(self.pipeline.step())
         deltas.extend(self.isolation.take_failed())
@@ -186,9 +223,16 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self._aborted) or self.pipeline.has_in_flight
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.tiers is not None:
+            stats.kv_offload = self.tiers.stats()
+        return stats
 
     def shutdown(self) -> None:
+        """Release the device; the offload tiers first finish their copies and write the CPU
+        tier's blocks to the disk tier (bounded in time), so a restart finds them."""
+        if self.tiers is not None:
+            self.tiers.close(persist=True)
         self.runner.shutdown()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -169,6 +169,50 @@ class RequestDelta:
         return self.finish_reason is not None
 
 
+# Upper bounds (seconds) of the KV tiers' load-latency histogram buckets (+Inf implied).
+KV_TIER_LOAD_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+@dataclass
+class KvTierStats:
+    """Counters of one KV offload tier ("cpu" or "disk") since the engine started.
+
+    `hits`/`misses`: tokens of prompt prefixes looked up in this tier past the GPU prefix cache
+    (a lookup ends at the first block no tier holds, which is a miss of every tier it was
+    looked up in). `load_*`: blocks copied from this tier into the GPU cache (the latency of a
+    load is counted for the lowest tier it read from). `failures` by reason: "corrupt",
+    "truncated", "foreign", "io_error", "disk_full", "missing".
+    """
+
+    tier: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    load_bytes: int = 0
+    store_bytes: int = 0
+    dropped_stores: int = 0  # blocks not stored (no room, a backlog of writes)
+    load_seconds: float = 0.0
+    load_count: int = 0
+    # Loads per latency bucket (not cumulative); the last entry counts those above every bound.
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(KV_TIER_LOAD_BUCKETS) + 1))
+    failures: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass
 class EngineStats:
     """A snapshot of the engine core's state for metrics and readiness."""
@@ -190,3 +234,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # KV offload tiers below the GPU prefix cache (empty without them); requests waiting for
+    # their prefix from one of them.
+    kv_offload: list[KvTierStats] = field(default_factory=list)
+    num_loading: int = 0

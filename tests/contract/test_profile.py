@@ -129,3 +129,16 @@ def test_the_contract_needs_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_offload_section_round_trips_and_is_checked() -> None:
+    base = MemoryProfile.from_dict(_sample())
+    with_tiers = dataclasses.replace(base, offload={"cpu_bytes": 1 << 30, "cpu_blocks": 512})
+    text = with_tiers.to_json()
+    assert MemoryProfile.from_json(text).offload == {"cpu_bytes": 1 << 30, "cpu_blocks": 512}
+    assert "offload" not in base.to_dict()  # absent unless the engine has tiers
+    for bad in ([], {"cpu_bytes": "1"}, {"cpu_bytes": True}):
+        data = with_tiers.to_dict()
+        data["offload"] = bad
+        with pytest.raises(ProfileFormatError, match="offload"):
+            MemoryProfile.from_dict(data)

@@ -7,6 +7,11 @@ hash (the hash of its parent block's hash and its own token ids), so a later req
 token ids start with the same full blocks reuses them instead of recomputing them. A cached
 block whose reference count drops to zero is not wiped: it joins an LRU of evictable blocks and
 is reused for other tokens only when no never-cached free block is left.
+
+Lower tiers (`core.kv_tiers.LowerTiers`, optional): every block registered in the prefix cache
+is also handed to them (write-through), and a registered block about to be reused is announced
+so that its copy is taken first. `match_lower_tiers` finds how far a prompt's prefix continues
+below the GPU cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from davit_engine.core.kv_tiers import LowerTiers
 from davit_engine.core.request import Request
 
 # Token ids are non-negative and far below 2**63: 8-byte signed items encode every one exactly.
@@ -46,7 +52,11 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiers: LowerTiers | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -55,6 +65,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Offload tiers see only registered blocks: without prefix caching there are none.
+        self.tiers = tiers if enable_prefix_caching else None
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
@@ -114,6 +126,24 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
+    def match_lower_tiers(self, req: Request, num_gpu_blocks: int) -> list[bytes]:
+        """Hashes of the blocks after the first `num_gpu_blocks` (a GPU prefix match) that the
+        lower tiers hold, as far as they continue the prefix; never the request's last token's
+        block (see `match_prefix`). Empty without lower tiers."""
+        tiers = self.tiers
+        if tiers is None:
+            return []
+        max_blocks = (len(req.token_ids) - 1) // self.block_size
+        hashes = req.block_hashes
+        found: list[bytes] = []
+        for i in range(num_gpu_blocks, max_blocks):
+            if i == len(hashes):
+                self._extend_hashes(req, i + 1)
+            if not tiers.contains(hashes[i]):
+                break
+            found.append(hashes[i])
+        return found
+
     def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
         hashes = req.block_hashes
         bs = self.block_size
@@ -138,12 +168,15 @@ class BlockManager:
             return
         self._extend_hashes(req, num_full)
         hashes = req.block_hashes
+        tiers = self.tiers
         for i in range(start, num_full):
             block_hash = hashes[i]
             if block_hash not in self._hash_to_block:
                 block_id = req.block_ids[i]
                 self._hash_to_block[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
+                if tiers is not None:
+                    tiers.store(block_hash, block_id)
         req.num_registered_blocks = num_full
 
     # ---- allocation -----------------------------------------------------------------------
@@ -156,11 +189,19 @@ class BlockManager:
         num_revived = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
         return num_new + reserve <= self.num_free_blocks - num_revived
 
-    def allocate(self, req: Request, cached_block_ids: list[int], num_tokens: int) -> None:
+    def allocate(
+        self,
+        req: Request,
+        cached_block_ids: list[int],
+        num_tokens: int,
+        count_lookup: bool = True,
+    ) -> None:
         """Give `req` (which holds no blocks) the prefix hits plus fresh blocks for `num_tokens`.
 
-        Counts the lookup in the prefix-cache counters. Raises RuntimeError when the blocks are
-        not there: callers check `can_allocate` first.
+        Counts the lookup in the prefix-cache counters unless `count_lookup` is False (a
+        request admitted again right after its blocks were loaded from a lower tier: its
+        lookup was counted when the load started). Raises RuntimeError when the blocks are not
+        there: callers check `can_allocate` first.
         """
         if req.block_ids:
             raise RuntimeError(f"{req.request_id} already holds blocks")
@@ -176,7 +217,7 @@ class BlockManager:
             block_ids.append(self._take_free_block())
         req.block_ids = block_ids
         req.num_registered_blocks = len(cached_block_ids)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and count_lookup:
             self.prefix_cache_queries += len(req.token_ids)
             self.prefix_cache_hits += len(cached_block_ids) * self.block_size
 
@@ -217,6 +258,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block (e.g. after new weights); returns how many."""
         num = len(self._evictable)
+        if self.tiers is not None:
+            self.tiers.discard_stores()
         while self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._uncache(block_id)
@@ -228,6 +271,8 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)
+            if self.tiers is not None:
+                self.tiers.block_reused(block_id)
             self._uncache(block_id)
         self._ref_counts[block_id] = 1
         return block_id

@@ -11,6 +11,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never scheduled
     RUNNING = "running"  # holds KV blocks and is scheduled every step it fits the budget
     PREEMPTED = "preempted"  # lost its blocks; queued again to be recomputed from scratch
+    # Holds fresh blocks that a lower KV tier (host memory, disk) is filling with its prefix;
+    # queued again once they arrived, then admitted with them as prefix-cache hits.
+    LOADING = "loading"
     FINISHED = "finished"
 
 
@@ -39,6 +42,7 @@ class Request:
         "eos_token_ids",
         "finish_reason",
         "is_verifying",
+        "lookup_counted",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_pending_tokens",
@@ -80,6 +84,9 @@ class Request:
         # Leading entries of block_ids already registered in (or taken from) the prefix cache.
         self.num_registered_blocks = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        # Set while a load from a lower tier is under way and until the admission after it:
+        # that admission neither counts the prefix lookup again nor loads again.
+        self.lookup_counted = False
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None

@@ -24,16 +24,27 @@ cannot speculate (logprobs, penalties, ...) keep the asynchronous pipeline. A ve
 request is never scheduled again before its step landed. Rejected drafts roll back
 `num_computed_tokens`; their slots stay in the request's blocks for its next step and are freed
 with the request.
+
+KV tiers below the GPU (`core.kv_tiers.LowerTiers`, optional): a request whose prefix continues
+in a lower tier past the GPU prefix cache is given fresh blocks for that part and set LOADING
+while the tier fills them; it takes no step budget and others keep running. When the load has
+landed, its intact blocks are registered in the prefix cache, the request's blocks are
+released (the loaded ones stay cached, most recently used) and it goes back to the front of the
+queue, where its admission finds them as ordinary prefix-cache hits and computes the rest. A
+request aborted while loading keeps its blocks until the load has landed: the tier may still
+be writing them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.core.block_manager import BlockManager
+from davit_engine.core.kv_tiers import LowerTiers
 from davit_engine.core.request import Request, RequestStatus
 from davit_engine.spec_decode.config import max_speculating_seqs
 from davit_engine.spec_decode.ngram import NgramProposer
@@ -64,6 +75,15 @@ class QueueFullError(Exception):
         self.retry_after = retry_after
 
 
+@dataclass
+class _Load:
+    """A request whose blocks after its first `num_gpu_blocks` are being filled by a tier."""
+
+    req: Request
+    num_gpu_blocks: int
+    previous_status: RequestStatus  # WAITING or PREEMPTED: what it is again once landed
+
+
 class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
@@ -85,6 +105,7 @@ class Scheduler:
         max_model_len: int,
         *,
         queue_retry_after: float = 1.0,
+        tiers: LowerTiers | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -113,8 +134,12 @@ class Scheduler:
         self.queue_retry_after = queue_retry_after
         self._admission_reserve = -(-num_blocks // 100)  # 1% of the pool, at least one block
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, tiers
         )
+        self.tiers = self.block_manager.tiers
+        self._loading: dict[int, _Load] = {}  # by load id; aborted ones until they land
+        self._num_live_loads = 0  # entries of _loading not aborted: they take sequence slots
+        self._next_load_id = 0
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the last one is preempted first
@@ -187,6 +212,15 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if req.status is RequestStatus.LOADING:
+            # Its blocks are freed when the load lands (the tier may still write them).
+            if self._ngram is not None:
+                self._ngram.forget(request_id)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ABORT
+            self._num_live_loads -= 1
+            self._finished_ids.append(req.request_id)
+            return True
         if req.status is RequestStatus.RUNNING:
             self._running.remove(req)
         else:
@@ -203,6 +237,8 @@ class Scheduler:
         tokens when this returns. `ScheduledRequest.token_ids` and `.block_ids` are the
         request's own lists (no copies): the runner must treat them as read-only.
         """
+        if self._loading:
+            self._land_loads()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         if self.num_spec_tokens and self.draft_budget == "reserved":
@@ -323,7 +359,7 @@ class Scheduler:
         bm = self.block_manager
         waiting = self._waiting
         running = self._running
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+        while waiting and budget > 0 and len(running) + self._num_live_loads < self.max_num_seqs:
             req = waiting[0]
             if req.num_pending_tokens or req.is_verifying:
                 # Preempted with a token in flight: a recompute needs every token on the host.
@@ -331,18 +367,32 @@ class Scheduler:
             # Prompt logprobs need logits at every prompt position: nothing may be skipped.
             wants_prompt_logprobs = req.sampling.prompt_logprobs is not None
             cached_block_ids = [] if wants_prompt_logprobs else bm.match_prefix(req)
+            # While others run, keep a few blocks back for their decode growth: admitting a
+            # request only to preempt it (and recompute it) a step later wastes a prefill.
+            reserve = self._admission_reserve if running else 0
+            # Right after its load landed a request computes whatever is still missing: a
+            # damaged block its tier still lists must not send it back into a load forever.
+            if self.tiers is not None and not wants_prompt_logprobs and not req.lookup_counted:
+                tier_hashes = bm.match_lower_tiers(req, len(cached_block_ids))
+                if tier_hashes:
+                    started = self._start_load(req, cached_block_ids, tier_hashes, reserve)
+                    if started is None:
+                        break  # no blocks to load into yet: FCFS, it waits at the head
+                    if started:
+                        waiting.popleft()
+                        continue
             num_cached = len(cached_block_ids) * self.block_size
             num_new = len(req.token_ids) - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break  # FCFS: later requests wait behind it rather than overtake it
                 num_new = budget
-            # While others run, keep a few blocks back for their decode growth: admitting a
-            # request only to preempt it (and recompute it) a step later wastes a prefill.
-            reserve = self._admission_reserve if running else 0
             if not bm.can_allocate(cached_block_ids, num_cached + num_new, reserve):
                 break
-            bm.allocate(req, cached_block_ids, num_cached + num_new)
+            bm.allocate(
+                req, cached_block_ids, num_cached + num_new, count_lookup=not req.lookup_counted
+            )
+            req.lookup_counted = False
             waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
@@ -352,6 +402,59 @@ class Scheduler:
             scheduled.append(self._make_scheduled(req, num_new, is_new=True))
             budget -= num_new
         return budget
+
+    def _start_load(
+        self, req: Request, cached_block_ids: list[int], tier_hashes: list[bytes], reserve: int
+    ) -> bool | None:
+        """Give `req` its GPU hits plus fresh blocks for the blocks a lower tier holds (as many
+        as are free beyond `reserve`) and start the load. None: no block is free for it now;
+        False: the tier started nothing (`req` holds no blocks again, compute it); True:
+        `req` is LOADING."""
+        bm = self.block_manager
+        num_gpu = len(cached_block_ids)
+        num_revived = sum(1 for b in cached_block_ids if bm.ref_count(b) == 0)
+        room = bm.num_free_blocks - num_revived - reserve
+        num_load = min(len(tier_hashes), room)
+        if num_load <= 0:
+            return None
+        bm.allocate(
+            req,
+            cached_block_ids,
+            (num_gpu + num_load) * self.block_size,
+            count_lookup=not req.lookup_counted,
+        )
+        req.lookup_counted = True
+        assert self.tiers is not None
+        load_id = self._next_load_id
+        self._next_load_id += 1
+        num_started = self.tiers.load(load_id, tier_hashes[:num_load], req.block_ids[num_gpu:])
+        if num_started == 0:
+            bm.free(req)
+            return False
+        self._loading[load_id] = _Load(req, num_gpu, req.status)
+        self._num_live_loads += 1
+        req.status = RequestStatus.LOADING
+        return True
+
+    def _land_loads(self) -> None:
+        """Queue the requests whose loads ended at the front (in arrival order), with their
+        intact blocks registered in the prefix cache and every block released."""
+        assert self.tiers is not None
+        bm = self.block_manager
+        landed: list[Request] = []
+        for load_id, num_intact in self.tiers.finished_loads():
+            load = self._loading.pop(load_id)
+            req = load.req
+            if req.status is RequestStatus.FINISHED:  # aborted while loading
+                bm.free(req)
+                continue
+            self._num_live_loads -= 1
+            bm.cache_full_blocks(req, (load.num_gpu_blocks + num_intact) * self.block_size)
+            bm.free(req)
+            req.status = load.previous_status
+            landed.append(req)
+        landed.sort(key=lambda r: r.arrival_time, reverse=True)
+        self._waiting.extendleft(landed)
 
     def _pending_reach_length(self, req: Request) -> bool:
         """Whether the request reaches max_tokens or max_model_len once its pending tokens land
@@ -524,6 +627,17 @@ class Scheduler:
     # ---- inspection -------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
+        """Whether requests wait or run, or loads (aborted ones too) have not landed yet."""
+        return bool(self._waiting or self._running or self._loading)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their prefix from a lower tier (aborted ones excluded)."""
+        return self._num_live_loads
+
+    @property
+    def has_runnable(self) -> bool:
+        """Whether a step could schedule anything (false while only loads are pending)."""
         return bool(self._waiting or self._running)
 
     @property
@@ -547,11 +661,15 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Verify queue, state and block bookkeeping against each other (for tests; O(n))."""
-        live = [*self._running, *self._waiting]
+        loading = [load.req for load in self._loading.values()]
+        live_loading = [r for r in loading if r.status is RequestStatus.LOADING]
+        live = [*self._running, *self._waiting, *live_loading]
         if len({id(r) for r in live}) != len(live) or len(live) != len(self._requests):
             raise AssertionError("a request is queued twice, or a live request is in no queue")
-        if len(self._running) > self.max_num_seqs:
-            raise AssertionError("more running requests than max_num_seqs")
+        if len(live_loading) != self._num_live_loads:
+            raise AssertionError("the count of live loads disagrees with the loads")
+        if len(self._running) + self._num_live_loads > self.max_num_seqs:
+            raise AssertionError("more running and loading requests than max_num_seqs")
         for req in self._running:
             if req.status is not RequestStatus.RUNNING or self._requests[req.request_id] is not req:
                 raise AssertionError(f"{req.request_id} is in the running list but not running")
@@ -560,7 +678,10 @@ class Scheduler:
         for req in self._waiting:
             if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or req.block_ids:
                 raise AssertionError(f"{req.request_id} waits but holds blocks or is running")
-        self.block_manager.check_invariants(live)
+        for req in loading:
+            if req.status not in (RequestStatus.LOADING, RequestStatus.FINISHED):
+                raise AssertionError(f"{req.request_id} is in a load but neither loading nor done")
+        self.block_manager.check_invariants([*self._running, *self._waiting, *loading])
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -575,6 +696,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            num_loading=self._num_live_loads,
             **self._spec_stats_fields(),
         )
 

@@ -23,13 +23,22 @@ PROBE_TOP_P = 0.9
 def allocate_kv_caches(
     c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2, num_blocks, block_size, Hkv, D] (keys [0], values [1])."""
-    return [
-        torch.zeros(
-            2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device
-        )
-        for _ in range(c.num_layers)
-    ]
+    """One zeroed tensor per layer: [2, num_blocks, block_size, Hkv, D] (keys [0], values [1]).
+
+    The layers are consecutive views of one [num_layers, 2, num_blocks, ...] tensor, so the KV
+    offload tiers copy a block of every layer with one gather (davit_engine.offload).
+    """
+    whole = torch.zeros(
+        c.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        c.num_kv_heads,
+        c.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    return list(whole.unbind(0))
 
 
 def dummy_prefill(

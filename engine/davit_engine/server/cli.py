@@ -203,6 +203,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE.CLASS",
         help="custom logits processors applied to every request (needs runner V1)",
     )
+    offload = p.add_argument_group(
+        "KV offload",
+        "tiers below the GPU prefix cache: host memory, then disk (docs/kv-offload.md)",
+    )
+    offload.add_argument(
+        "--kv-offloading-size",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="CPU tier: GiB of host memory for KV blocks (upstream's flag and unit)",
+    )
+    offload.add_argument(
+        "--kv-offloading-backend",
+        default="native",
+        help="native (upstream's lmcache is not available)",
+    )
+    offload.add_argument(
+        "--kv-offload-disk-path",
+        default=None,
+        metavar="DIR",
+        help="disk tier: folder of KV block files (kept across restarts)",
+    )
+    offload.add_argument(
+        "--kv-offload-disk-bytes",
+        type=_int_at_least(1),
+        default=None,
+        help="disk tier: bytes of block files at most",
+    )
     upstream = p.add_argument_group(
         "upstream flags", "accepted so the operator can drive either engine; see engine_flags"
     )
@@ -262,6 +290,10 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         max_logprobs=args.max_logprobs,
         revision=args.revision,
         logits_processors=tuple(args.logits_processors),
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offload_disk_path=args.kv_offload_disk_path,
+        kv_offload_disk_bytes=args.kv_offload_disk_bytes,
     )
     try:
         config.validate()

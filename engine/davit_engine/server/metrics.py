@@ -3,6 +3,8 @@
 Request-level series (token counts, latencies, finished requests) are observed here in the API
 process, where requests start and end. Engine-level series (running/waiting requests, KV-cache
 usage, prefix-cache counters, preemptions) are read from the core's `EngineStats` at scrape time.
+`vllm:prefix_cache_*` count the GPU prefix cache alone; the KV offload tiers below it have their
+own `vllm:kv_offload_*` series, labelled by tier ("cpu", "disk").
 Each app gets its own registry, so several apps can live in one process (tests).
 """
 
@@ -12,10 +14,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from davit_engine.types import EngineStats
+from davit_engine.types import KV_TIER_LOAD_BUCKETS, EngineStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -70,6 +77,86 @@ class _EngineStatsCollector(Collector):
         )
         if stats.spec_verification:
             yield from _spec_decode_metrics(self.model_name, stats)
+        if stats.kv_offload:
+            yield gauge(
+                "vllm:num_requests_loading",
+                "Requests waiting for their prompt prefix from a KV offload tier.",
+                stats.num_loading,
+            )
+            yield from _kv_offload_metrics(self.model_name, stats)
+
+
+def _kv_offload_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """The KV offload tiers' series, one per tier ("cpu", "disk"); the byte and time counters
+    carry upstream's names (`vllm:kv_offload_load_bytes`, ...) with a tier label."""
+    labels = ["model_name", "tier"]
+    tiers = stats.kv_offload
+    for name, doc, kind, field_name in (
+        (
+            "vllm:kv_offload_hits",
+            "Prompt tokens found in the tier past the GPU cache.",
+            "c",
+            "hits",
+        ),
+        (
+            "vllm:kv_offload_misses",
+            "Prompt tokens looked up in the tier and not found.",
+            "c",
+            "misses",
+        ),
+        (
+            "vllm:kv_offload_load_bytes",
+            "Bytes loaded from the tier into the GPU cache.",
+            "c",
+            "load_bytes",
+        ),
+        ("vllm:kv_offload_store_bytes", "Bytes stored into the tier.", "c", "store_bytes"),
+        (
+            "vllm:kv_offload_load_time",
+            "Seconds spent loading from the tier (sum).",
+            "c",
+            "load_seconds",
+        ),
+        (
+            "vllm:kv_offload_dropped_stores",
+            "Blocks the tier did not store (no room).",
+            "c",
+            "dropped_stores",
+        ),
+        ("vllm:kv_offload_usage_bytes", "Bytes the tier holds.", "g", "used_bytes"),
+        ("vllm:kv_offload_capacity_bytes", "Bytes the tier may hold.", "g", "capacity_bytes"),
+    ):
+        family: CounterMetricFamily | GaugeMetricFamily
+        if kind == "c":
+            family = CounterMetricFamily(name, doc, labels=labels)
+        else:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+        for tier in tiers:
+            family.add_metric([model_name, tier.tier], getattr(tier, field_name))
+        yield family
+    latency = HistogramMetricFamily(
+        "vllm:kv_offload_load_latency_seconds",
+        "Time from a load's start until its blocks are in the GPU cache (by its lowest tier).",
+        labels=labels,
+    )
+    for tier in tiers:
+        cumulative, buckets = 0, []
+        for bound, count in zip(
+            (*KV_TIER_LOAD_BUCKETS, float("inf")), tier.load_buckets, strict=True
+        ):
+            cumulative += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+        latency.add_metric([model_name, tier.tier], buckets, tier.load_seconds)
+    yield latency
+    failures = CounterMetricFamily(
+        "vllm:kv_offload_failures",
+        "Blocks the tier could not serve or store, by reason (each a miss, never an error).",
+        labels=[*labels, "reason"],
+    )
+    for tier in tiers:
+        for reason, count in sorted(tier.failures.items()):
+            failures.add_metric([model_name, tier.tier, reason], count)
+    yield failures
 
 
 def _spec_decode_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric]:
