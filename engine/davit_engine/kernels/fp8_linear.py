@@ -3,10 +3,12 @@ quantization of activations for the library's FP8 GEMM.
 
 Two kernels, each beside its plain-torch reference:
 - `fp8_weight_matmul`: weights stored in FP8 with one scale per output channel (row of W),
-  activations kept in their own dtype. Each tile of W is widened exactly to the activation dtype
-  in registers and multiplied on the matrix units with float32 accumulation; the channel scale
-  applies once to the result. At a few rows (decode) the product is bound by reading W, so this
-  reads half the bytes of a bf16 weight and needs no quantization of the activations.
+  activations not quantized. Each tile of W is widened exactly to fp16 in registers by moving
+  bits (`kernels/fp8.py` says why not by conversion) and multiplied on the matrix units with
+  the activations in fp16 (clamped to its range; fp32 activations stay fp32) and float32
+  accumulation; the channel scale applies once to the result. At a few rows (decode) the
+  product is bound by reading W, so this reads half the bytes of a bf16 weight and needs no
+  quantization of the activations.
 - `quantize_rows`: x [M, K] -> FP8 rows and one float32 scale per row (`amax / 448`), for
   `torch._scaled_mm` at many rows (prefill), where FP8 matrix units double the rate.
 """
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import round_to_e4m3
+from davit_engine.kernels.fp8 import e4m3_to_f16_scaled, round_to_e4m3, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
@@ -35,10 +37,10 @@ class MatmulConfig:
     num_stages: int
 
 
-# Few rows (decode): BLOCK_M is the smallest matrix-unit tile; narrow column blocks give
-# enough programs to occupy every multiprocessor on the small projections, and long K tiles
-# keep several of W's bytes in flight per program.
-SMALL_ROWS_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=4)
+# Few rows (decode): BLOCK_M is the smallest matrix-unit tile; long K tiles keep several of W's
+# bytes in flight per program. 32 columns per program: on the H200 at one row it beat 16 by
+# 1.4-2.2x at W2's four projection shapes (and 16 x 1024 with 8 warps), docs/bench-notes.md.
+SMALL_ROWS_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=512, num_warps=4, num_stages=4)
 # Many rows (prefill where the FP8 library GEMM is not used): a compute-shaped tile.
 LARGE_ROWS_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 
@@ -60,6 +62,7 @@ def _fp8_weight_matmul_kernel(  # type: ignore[no-untyped-def]
     stride_xm,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    F16_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,9 +88,13 @@ def _fp8_weight_matmul_kernel(  # type: ignore[no-untyped-def]
         w = tl.load(
             w_rows + (k0 + ks)[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0
         )
-        # e4m3 widens exactly to bf16, fp16 and fp32: the only rounding is the accumulation's.
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    scale = tl.load(scale_ptr + cols, mask=col_valid, other=0.0)
+        # e4m3 * 2^-8 widens exactly to fp16 (and fp32): W adds no rounding of its own.
+        w = e4m3_to_f16_scaled(w)
+        if F16_DOT:
+            acc = tl.dot(to_f16_saturated(x), w, acc)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + cols, mask=col_valid, other=0.0) * 256.0
     acc = acc * scale[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
@@ -124,6 +131,7 @@ def fp8_weight_matmul(
         x.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
+        F16_DOT=x.dtype != torch.float32,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

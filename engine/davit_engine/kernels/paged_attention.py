@@ -9,9 +9,10 @@ the key range is split over `num_splits` programs whose partial results a second
 by their log-sum-exp.
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
-widened exactly to the query dtype for the dot products (fp32 accumulation), and the program's
-per-head scales apply once, to the scores (`k_scale`) and to the output (`v_scale`), since both
-are constant within a program (one KV head). Its keys are stored Hadamard-rotated, so each
+widened exactly to fp16 by moving bits (`kernels/fp8.py` says why not by conversion), and the
+dot products run in fp16 with fp32 accumulation (the queries clamped into fp16's range; fp32
+models stay in fp32); the program's per-head scales apply once, to the scores (`k_scale`) and to
+the output (`v_scale`), since both are constant within a program (one KV head). Its keys are stored Hadamard-rotated, so each
 program rotates its query tile the same way (`q @ H`, the matrix made in registers) and divides
 the scores by the head dim (`H @ H^T = D * I`).
 """
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import hadamard_tile
+from davit_engine.kernels.fp8 import e4m3_to_f16_scaled, hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
@@ -66,6 +67,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
+    F16_DOT: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -97,12 +99,14 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             other=0.0,
         )
         q_pos = ctx_len + tok
-        if FP8:  # the per-head key scale folds into the score scale
-            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        if FP8:  # the per-head key scale (and the widening's 2^8) fold into the score scale
+            scale_log2 = scale_log2 * (tl.load(kv_scale_ptr + kv_head) * 256.0)
         if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
             q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
             q = q.to(q_ptr.dtype.element_ty)
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
+        if F16_DOT:
+            q = to_f16_saturated(q)
 
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
@@ -137,8 +141,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
-            if FP8:  # e4m3 widens exactly to bf16, fp16 and fp32
-                k = k.to(q.dtype)
+            if FP8:  # e4m3 * 2^-8 widens exactly to fp16 (and on to fp32)
+                k = e4m3_to_f16_scaled(k).to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
@@ -154,14 +158,14 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     other=0.0,
                 )
             if FP8:
-                v = v.to(q.dtype)
+                v = e4m3_to_f16_scaled(v).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / l_safe[:, None]
         if FP8:
-            result = result * tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
+            result = result * (tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head) * 256.0)
         store_mask = row_valid[:, None] & dim_valid[None, :]
         if NUM_SPLITS == 1:
             o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
@@ -317,6 +321,7 @@ def paged_attention(
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,
         ROTATE=fp8 and rotates_keys(head_dim),
+        F16_DOT=fp8 and q.dtype != torch.float32,
         num_warps=4,
         num_stages=2,
         **pdl_launch(q.device),

@@ -19,7 +19,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = (torch.randn(n, k, device=device) * 100).to(torch.float8_e4m3fn)
+    # clamped first: torch's CUDA cast (2.11) turns values beyond 448 into NaN
+    weight = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.rand(n, device=device) * 0.01 + 1e-3
     return weight, scale
 
@@ -35,6 +36,17 @@ def test_fp8_weight_matmul_matches_reference(device: torch.device, rows: int, bi
     b = torch.randn(n, device=device) if bias else None
     out = fp8_weight_matmul(x, weight, scale, b)
     assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale, b)) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_fp8_weight_matmul_fp16_activations(device: torch.device, rows: int) -> None:
+    """Half-precision activations take the fp16 product (W widened by moving bits)."""
+    torch.manual_seed(rows + 100)
+    weight, scale = _weights(40, 96, device)
+    x = torch.randn(rows, 96, device=device).to(torch.float16)
+    out = fp8_weight_matmul(x, weight, scale)
+    assert out.dtype == torch.float16
+    assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale)) < 2e-3
 
 
 def test_fp8_weight_matmul_row_stride(device: torch.device) -> None:

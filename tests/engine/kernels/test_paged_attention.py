@@ -179,6 +179,18 @@ def test_fp8_cache_round_trip_close_to_unquantized(device: torch.device) -> None
     assert _rel_err(ours, exact) < 0.1  # e4m3 keeps 3 mantissa bits; sharp scores here
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_fp8_fp16_queries(device: torch.device, num_splits: int) -> None:
+    """Half-precision queries take the fp16 products over keys widened by moving bits."""
+    torch.manual_seed(11 + num_splits)
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, [1, 7, 1], [33, 7, 50], (4, 2), 16, 4, torch.float16
+    )
+    out = paged_attention(q, cache, tables, lens, qsl, 7, 0.25, num_splits, kv_scale=kv_scale)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < 3e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_paged_attention_fp8_bf16_real_shapes(device: torch.device, num_splits: int) -> None:
