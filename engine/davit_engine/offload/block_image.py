@@ -18,8 +18,10 @@ import torch
 
 
 def block_major(layer_caches: list[torch.Tensor]) -> torch.Tensor:
-    """`[num_blocks, num_layers, 2, block_size, Hkv, D * element]` uint8 over the caches,
-    which must be consecutive views of one tensor (ValueError otherwise)."""
+    """`[num_blocks, num_layers, 2, block_size, Hkv, D * element / w]` over the caches as
+    integers of the widest width `w` (8, 4, 2 or 1 bytes) that divides a head's bytes: the
+    copies move fewer, wider elements. The caches must be consecutive views of one tensor
+    (ValueError otherwise)."""
     first = layer_caches[0]
     layer_bytes = first.numel() * first.element_size()
     for i, cache in enumerate(layer_caches):
@@ -30,7 +32,13 @@ def block_major(layer_caches: list[torch.Tensor]) -> torch.Tensor:
             or cache.data_ptr() != first.data_ptr() + i * layer_bytes
         ):
             raise ValueError("KV offload needs every layer's KV cache inside one tensor")
-    raw = first.view(torch.uint8)  # [2, N, bs, Hkv, D * element]
+    head_bytes = first.shape[-1] * first.element_size()
+    width = next(
+        w
+        for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+        if head_bytes % w.itemsize == 0
+    )
+    raw = first.view(torch.uint8).view(width)  # [2, N, bs, Hkv, D * element / w]
     whole = raw.as_strided((len(layer_caches), *raw.shape), (raw.numel(), *raw.stride()))
     return whole.permute(2, 0, 1, 3, 4, 5)
 
@@ -40,7 +48,7 @@ class BlockImage:
 
     def __init__(self, cache_groups: list[list[torch.Tensor]]) -> None:
         self.parts = [block_major(group) for group in cache_groups if group]
-        self.part_bytes = [part[0].numel() for part in self.parts]
+        self.part_bytes = [part[0].numel() * part.element_size() for part in self.parts]
         self.block_bytes = sum(self.part_bytes)
         self.num_blocks = self.parts[0].shape[0]
         self.device = self.parts[0].device
@@ -57,25 +65,35 @@ class BlockImage:
             start += nbytes
         return offsets
 
+    @staticmethod
+    def _as_part(part: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images `[n, part bytes]` (contiguous) seen in the part's element type and
+        shape."""
+        return images.view(part.dtype).view(images.shape[0], *part.shape[1:])
+
     def gather(self, block_ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
         """Copy blocks `block_ids` [n] into `outs` (one contiguous `[>= n, part bytes]` uint8
         tensor per part), on the current stream."""
         n = block_ids.shape[0]
-        for part, out in zip(self.parts, outs, strict=True):
-            torch.index_select(part, 0, block_ids, out=out[:n].view(n, *part.shape[1:]))
+        with torch.inference_mode():
+            for part, out in zip(self.parts, outs, strict=True):
+                torch.index_select(part, 0, block_ids, out=self._as_part(part, out[:n]))
 
     def scatter(self, block_ids: torch.Tensor, srcs: list[torch.Tensor]) -> None:
         """Copy images `srcs` (per part `[>= n, part bytes]`) into blocks `block_ids` [n]."""
         n = block_ids.shape[0]
-        for part, src in zip(self.parts, srcs, strict=True):
-            part.index_copy_(0, block_ids, src[:n].view(n, *part.shape[1:]))
+        with torch.inference_mode():
+            for part, src in zip(self.parts, srcs, strict=True):
+                part.index_copy_(0, block_ids, self._as_part(part, src[:n]))
 
     def copy_out(self, block_id: int, image: torch.Tensor) -> None:
         """Block `block_id` into one host image `[block bytes]` (synchronous; CPU caches)."""
-        for part, (start, end) in zip(self.parts, self.part_offsets(), strict=True):
-            image[start:end].view(part.shape[1:]).copy_(part[block_id])
+        with torch.inference_mode():
+            for part, (start, end) in zip(self.parts, self.part_offsets(), strict=True):
+                self._as_part(part, image[None, start:end])[0].copy_(part[block_id])
 
     def copy_in(self, block_id: int, image: torch.Tensor) -> None:
         """One host image into block `block_id` (synchronous; CPU caches)."""
-        for part, (start, end) in zip(self.parts, self.part_offsets(), strict=True):
-            part[block_id].copy_(image[start:end].view(part.shape[1:]))
+        with torch.inference_mode():
+            for part, (start, end) in zip(self.parts, self.part_offsets(), strict=True):
+                part[block_id].copy_(self._as_part(part, image[None, start:end])[0])

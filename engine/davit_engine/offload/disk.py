@@ -61,7 +61,8 @@ def encode_header(identity: bytes, block_hash: bytes, payload: np.ndarray) -> by
 def write_block(path: Path, header: bytes, payload: np.ndarray) -> None:
     """Write one block file (worker thread): a temporary file, then an atomic rename. Raises
     OSError (ENOSPC for a full disk); the temporary file is removed then."""
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
+    # Named per process: engines sharing a folder may write the same block at once.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{_TMP_SUFFIX}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

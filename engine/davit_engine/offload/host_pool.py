@@ -31,7 +31,8 @@ class HostPool:
             self.is_pinned = _register(self.images)
         self.pins = [0] * num_slots
         self._free: deque[int] = deque(range(num_slots))
-        # Copy into a slot still in flight (CUDA event), waited on by its readers.
+        # The last copy from the GPU into each slot (CUDA event), waited on by whoever reads
+        # the slot or writes it from the host next.
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
 
     @property
@@ -46,8 +47,9 @@ class HostPool:
         return self._free.popleft() if self._free else None
 
     def give_back(self, slot: int) -> None:
+        """Free a slot. Its `ready` event stays: a copy into it may still be in flight, and
+        whoever writes the slot next from the host waits for it."""
         assert self.pins[slot] == 0, f"slot {slot} freed while in use"
-        self.ready[slot] = None
         self._free.append(slot)
 
     def pin(self, slot: int) -> None:
@@ -74,8 +76,6 @@ def _register(images: torch.Tensor) -> bool:
     """Page-lock `images` for asynchronous copies; False (with a warning) when the driver
     refuses, e.g. over the locked-memory limit: copies then still work, synchronously."""
     nbytes = images.numel()
-    # Touch every page first: registering maps them anyway, and a fault later costs more.
-    images.zero_()
     result = torch.cuda.cudart().cudaHostRegister(images.data_ptr(), nbytes, 0)
     code = int(result[0] if isinstance(result, tuple) else result)
     if code != 0:

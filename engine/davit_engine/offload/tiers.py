@@ -173,11 +173,12 @@ class KvTiers(LowerTiers):
             self.disk.pin(block_hash)
             self.disk.touch(block_hash)
             read = self._executor.submit(
-                disk_io.read_block,
+                _read_job,
                 self.disk.path(block_hash),
                 self.disk.digest,
                 block_hash,
                 self.pool.array(slot),
+                self.pool.ready[slot],
             )
             parts.append(_Part(block_hash, block_id, slot, read))
         if not parts:
@@ -515,6 +516,20 @@ class KvTiers(LowerTiers):
             if self._writes:
                 self._reap_writes()
         self.pool.close()
+
+
+def _read_job(
+    path: Path,
+    identity: bytes,
+    block_hash: bytes,
+    out: np.ndarray,
+    ready: torch.cuda.Event | None,
+) -> ReadStatus:
+    """Worker thread: wait until no earlier copy from the GPU can still land in the slot
+    (it held another block before), then read the file into it."""
+    if ready is not None:
+        ready.synchronize()
+    return disk_io.read_block(path, identity, block_hash, out)
 
 
 def _write_job(
