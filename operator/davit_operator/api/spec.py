@@ -20,6 +20,9 @@ Variant = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
 RunnerChoice = Literal["auto", "v2", "v1"]
 Vendor = Literal["nvidia", "amd", "intel", "cpu"]
 ImagePolicy = Literal["Strict", "Permissive"]
+# FP8 (e4m3): upstream's flag values, which both engine types take.
+Quantization = Literal["fp8"]
+KvCacheDType = Literal["auto", "fp8"]
 SpeculativeMethod = Literal[
     "ngram", "eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator"
 ]
@@ -42,6 +45,9 @@ OWNED_FLAGS = (
     "--revision",
     "--speculative-config",
     "--logits-processors",
+    "--quantization",
+    "-q",
+    "--kv-cache-dtype",
 )
 
 
@@ -309,6 +315,25 @@ class EngineSpec(CrdModel):
         description=(
             "Model runner: auto picks V2 unless a requested feature needs V1 (the reason is "
             "reported in status); v2 or v1 force one and are refused when unsupported."
+        ),
+    )
+    quantization: Quantization | None = Field(
+        default=None,
+        description=(
+            "Projection weights in FP8 (e4m3), passed as --quantization fp8: checkpoints in "
+            "bf16/fp16 are quantized when the engine loads them (per-channel weight scales), "
+            "FP8 checkpoints are served as stored. About half the weight bytes per GPU. Needs "
+            "an accelerator the catalog records with FP8 and an engine release that "
+            "implements it; unset: the checkpoint's own format."
+        ),
+    )
+    kv_cache_dtype: KvCacheDType = Field(
+        default="auto",
+        description=(
+            "KV-cache element type, passed as --kv-cache-dtype: auto (the model dtype) or fp8 "
+            "(e4m3 with per-layer scales: one byte per element, about twice the tokens per "
+            "GPU). fp8 needs an accelerator the catalog records with FP8 and an engine release "
+            "that implements it."
         ),
     )
     extra_args: list[Annotated[str, Field(max_length=256)]] = Field(

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from davit_operator.api.spec import SpeculativeMethod
+from davit_operator.api.spec import Quantization, SpeculativeMethod
 
 RunnerName = Literal["v1", "v2"]
 VariantName = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
@@ -49,10 +49,25 @@ class VendorInfo(_Data):
     node_marker_label: str | None
     variants: list[VariantName] = Field(min_length=1)
     tolerations: list[dict[str, str]] = Field(default_factory=list)
+    # FP8 (e4m3) support by product label value; products not listed take `fp8Default`
+    # (null: not recorded, the engine checks the device at startup).
+    fp8: dict[str, bool] = Field(default_factory=dict)
+    fp8_default: bool | None = None
 
     @property
     def default_variant(self) -> VariantName:
         return self.variants[0]
+
+    def supports_fp8(self, product: str | None) -> bool | None:
+        """True or False where the catalog records it for `product` (or the vendor's
+        unlisted products), None where it does not."""
+        if product is not None and product in self.fp8:
+            return self.fp8[product]
+        return self.fp8_default
+
+    @property
+    def fp8_products(self) -> list[str]:
+        return [product for product, supported in self.fp8.items() if supported]
 
 
 class AcceleratorCatalog(_Data):
@@ -112,6 +127,10 @@ class Capabilities(_Data):
     expert_parallel: bool = True
     unsupported_features: list[FeatureName] = Field(default_factory=list)
     speculative_methods: list[SpeculativeMethod] | None = None
+    # engine.quantization / engine.kvCacheDtype values the release implements (null: no
+    # record, nothing refused).
+    quantization: list[Quantization] | None = None
+    kv_cache_dtypes: list[Literal["fp8"]] | None = None
 
 
 class Health(_Data):

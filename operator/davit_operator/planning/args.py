@@ -178,6 +178,11 @@ def engine_invocation(
     args.append(
         "--enable-prefix-caching" if spec.features.prefix_caching else "--no-enable-prefix-caching"
     )
+    # Both engine types take upstream's FP8 flags; planning checked the release and accelerator.
+    if spec.engine.quantization is not None:
+        args += ["--quantization", spec.engine.quantization]
+    if spec.engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
     speculative, draft_mounts = _speculative_config(spec, mounts)
     if speculative is not None:
         args += ["--speculative-config", speculative]

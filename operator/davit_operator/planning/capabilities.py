@@ -64,6 +64,12 @@ def shortfalls(spec: InferenceServiceSpec, capabilities: Capabilities) -> list[S
         if feature in capabilities.unsupported_features:
             field = FEATURE_FIELDS[feature]
             found.append(Shortfall(field, True, field, f"remove {field}"))
+    for field, value, implemented in (
+        ("engine.quantization", spec.engine.quantization, capabilities.quantization),
+        ("engine.kvCacheDtype", spec.engine.kv_cache_dtype, capabilities.kv_cache_dtypes),
+    ):
+        if value not in (None, "auto") and implemented is not None and value not in implemented:
+            found.append(Shortfall(field, value, f"{field} {value}", f"remove {field}"))
     speculative = spec.features.speculative
     methods = capabilities.speculative_methods
     if speculative is not None and methods is not None and speculative.method not in methods:

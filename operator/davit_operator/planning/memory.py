@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 MemorySource = Literal["explicit", "profile", "estimate", "pending"]
 
 ACCELERATOR_DTYPE_BYTES = 2  # bf16 on accelerators
+FP8_BYTES = 1
+# Per-output-channel float32 scale of each FP8 projection.
+FP8_SCALE_BYTES = 4
 # Estimate of what the shape does not say: CUDA context and library workspaces (0.77 GiB
 # measured on an H200 with torch 2.11).
 NON_TORCH_ESTIMATE_BYTES = 1 << 30
@@ -77,6 +80,23 @@ class ModelShape(_Data):
         layer = attention + 3 * h * self.intermediate_size + 2 * h
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embeddings + h
+
+    @property
+    def projection_parameters(self) -> int:
+        """The decoder projections' weights (q, k, v, o, gate, up, down of every layer): what
+        FP8 weights store in one byte each."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        return self.num_layers * (attention + 3 * h * self.intermediate_size)
+
+    @property
+    def projection_channels(self) -> int:
+        """Output channels of the decoder projections (one FP8 weight scale each)."""
+        h, d = self.hidden_size, self.head_dim
+        per_layer = (
+            (self.num_heads + 2 * self.num_kv_heads) * d + h + 2 * self.intermediate_size + h
+        )
+        return self.num_layers * per_layer
 
 
 class ShapeCatalog(_Data):
@@ -193,6 +213,39 @@ def effective_limits(spec: InferenceServiceSpec, shape: ModelShape) -> Limits:
 
 
 @dataclass(frozen=True)
+class Precision:
+    """Bytes per element the engine stores: decoder projection weights and the KV cache
+    (embeddings, LM head, norms and activations stay in the accelerator dtype)."""
+
+    projection_bytes: int = ACCELERATOR_DTYPE_BYTES
+    kv_bytes: int = ACCELERATOR_DTYPE_BYTES
+
+    @classmethod
+    def of(cls, spec: InferenceServiceSpec) -> Precision:
+        """engine.quantization fp8: one byte per projection weight; engine.kvCacheDtype fp8:
+        one byte per KV element. (An FP8 checkpoint served without engine.quantization is
+        estimated at the accelerator dtype: larger, so the check stays on the safe side.)"""
+        return cls(
+            projection_bytes=FP8_BYTES
+            if spec.engine.quantization == "fp8"
+            else ACCELERATOR_DTYPE_BYTES,
+            kv_bytes=FP8_BYTES if spec.engine.kv_cache_dtype == "fp8" else ACCELERATOR_DTYPE_BYTES,
+        )
+
+
+def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> int:
+    """Bytes of the model's weights: projections at `precision` (with FP8's channel scales),
+    everything else at `dtype_bytes`."""
+    projections = shape.projection_parameters
+    total = (
+        shape.num_parameters - projections
+    ) * dtype_bytes + projections * precision.projection_bytes
+    if precision.projection_bytes == FP8_BYTES:
+        total += shape.projection_channels * FP8_SCALE_BYTES
+    return total
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device of one tensor-parallel rank, from the shape alone."""
 
@@ -235,17 +288,19 @@ def estimate_memory(
     tensor_parallel: int,
     dtype_bytes: int = ACCELERATOR_DTYPE_BYTES,
     draft: ModelShape | None = None,
+    precision: Precision = Precision(),
 ) -> MemoryEstimate:
     """Weights, activations at the token budget, the sampler's logits, a CUDA-graph allowance
     and a non-torch allowance per rank; what is left is KV cache. A speculative draft model
     adds its weights, its graphs and its share of every KV block (its cache follows the
-    model's block tables)."""
+    model's block tables). `precision` sets the bytes of the projections and of the KV cache
+    (FP8: one byte each)."""
     tp = tensor_parallel
     kv_heads = -(-shape.num_kv_heads // tp)
-    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
-    weights = shape.num_parameters * dtype_bytes // tp
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * precision.kv_bytes
+    weights = weight_bytes(shape, dtype_bytes, precision) // tp
     if draft is not None:
-        per_token += 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * dtype_bytes
+        per_token += 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * precision.kv_bytes
         weights += draft.num_parameters * dtype_bytes
     t = limits.max_num_batched_tokens
     width = (
@@ -310,7 +365,8 @@ def preflight(
         return None  # an unknown draft shape too: the engine's profile counts it
     limits = effective_limits(spec, shape)
     tp = spec.parallelism.tensor
-    estimate = estimate_memory(shape, limits, device, tp, draft=draft)
+    precision = Precision.of(spec)
+    estimate = estimate_memory(shape, limits, device, tp, draft=draft, precision=precision)
     if estimate.fits:
         return estimate
     need = estimate.fixed_bytes + estimate.one_sequence_bytes
@@ -330,7 +386,8 @@ def preflight(
         fitting = [
             n
             for n in (2, 4, 8, 16)
-            if n > tp and estimate_memory(shape, limits, device, n, draft=draft).fits
+            if n > tp
+            and estimate_memory(shape, limits, device, n, draft=draft, precision=precision).fits
         ]
         advice = "no maxModelLen fits: the weights alone do not"
         if fitting:
@@ -365,6 +422,11 @@ def profile_identity(plan: Plan) -> dict[str, Any]:
         "runner": plan.runner.name,
         "extraArgs": list(spec.engine.extra_args),
     }
+    # Set only when not the default, so identities from before these fields keep their hash.
+    if spec.engine.quantization is not None:
+        identity["quantization"] = spec.engine.quantization
+    if spec.engine.kv_cache_dtype != "auto":
+        identity["kvCacheDtype"] = spec.engine.kv_cache_dtype
     if spec.features.speculative is not None:
         # A draft model's weights, KV and graphs are in the measured profile.
         identity["speculative"] = spec.features.speculative.model_dump(

@@ -28,6 +28,7 @@ from davit_operator.planning.memory import (
     with_memory,
 )
 from davit_operator.planning.placement import Fit, NodeFacts, Placement, check_fit, plan_placement
+from davit_operator.planning.precision import check_fp8_accelerator
 from davit_operator.planning.runner import SelectedRunner, select_runner
 
 
@@ -74,6 +75,7 @@ def make_plan(
     (catalog `capabilities`) is refused before the runner is chosen."""
     image = resolve_image(spec, catalog)
     check_capabilities(spec, catalog)
+    check_fp8_accelerator(spec, catalog)
     runner = select_runner(spec, catalog, image.variant)
     speculative = spec.features.speculative
     if speculative is not None and speculative.verification == "FLy":

@@ -1,0 +1,56 @@
+"""FP8 on the accelerator: refuse `engine.quantization: fp8` and `engine.kvCacheDtype: fp8`
+where the catalog marks the accelerator as lacking FP8 (e4m3) support.
+
+Planning, not CEL: the facts live in the versioned catalog (`accelerators.yaml`) that the
+operator loads at startup, while the CRD's rules are generated from the API types; a copy of
+the catalog in CEL would drift from it. A product the catalog does not record passes: the
+engine itself refuses FP8 at startup on a device without it (naming the flag).
+"""
+
+from __future__ import annotations
+
+from davit_operator.api.spec import InferenceServiceSpec
+from davit_operator.catalog.loader import Catalog
+from davit_operator.planning.errors import PlanError
+
+REASON = "UnsupportedByAccelerator"
+
+
+def fp8_fields(spec: InferenceServiceSpec) -> list[str]:
+    """The spec fields that ask for FP8, in spec order."""
+    fields = []
+    if spec.engine.quantization == "fp8":
+        fields.append("engine.quantization")
+    if spec.engine.kv_cache_dtype == "fp8":
+        fields.append("engine.kvCacheDtype")
+    return fields
+
+
+def check_fp8_accelerator(spec: InferenceServiceSpec, catalog: Catalog) -> None:
+    """Raise PlanError (UnsupportedByAccelerator) naming the FP8 fields when the catalog marks
+    the spec's accelerator (its product, else its vendor) as lacking FP8."""
+    fields = fp8_fields(spec)
+    if not fields:
+        return
+    accelerator = spec.accelerator
+    vendor = catalog.accelerators.vendors[accelerator.vendor]
+    if vendor.supports_fp8(accelerator.product) is not False:
+        return
+    which = (
+        f"accelerator.product {accelerator.product}"
+        if accelerator.product is not None and accelerator.product in vendor.fp8
+        else f"accelerator.vendor {accelerator.vendor}"
+        + (f" (product {accelerator.product})" if accelerator.product else "")
+    )
+    products = vendor.fp8_products
+    instead = (
+        f", or set accelerator.product to one with FP8 ({', '.join(products)})" if products else ""
+    )
+    raise PlanError(
+        field=fields[0],
+        value="fp8",
+        reason=REASON,
+        condition="",
+        message=f"{' and '.join(f'{f} fp8' for f in fields)} need FP8 (e4m3) support, which "
+        f"the catalog records {which} as lacking; remove {' and '.join(fields)}{instead}",
+    )

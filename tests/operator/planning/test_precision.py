@@ -1,0 +1,177 @@
+"""FP8 in the operator: engine.quantization and engine.kvCacheDtype become upstream's flags for
+both engine types (parsed by the Davit engine's own parser), the memory estimate counts one
+byte per FP8 element, the identity changes only when they are set, and planning refuses them
+on accelerators the catalog records without FP8 and on releases that do not implement them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from davit_engine.server.cli import build_parser
+from davit_operator.api.spec import OWNED_FLAGS, EngineSpec
+from davit_operator.catalog.loader import Catalog, load_catalog
+from davit_operator.planning.errors import PlanError
+from davit_operator.planning.memory import (
+    Precision,
+    effective_limits,
+    estimate_memory,
+    identity_hash,
+    load_shape_catalog,
+    profile_identity,
+    weight_bytes,
+)
+from davit_operator.planning.plan import make_plan
+from tests.operator.isvc_helpers import make_spec
+
+CATALOG = load_catalog()
+SHAPES = load_shape_catalog()
+FP8_BOTH = {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}}
+RANDOM_8B = {"model": {"source": "random://llama-3.1-8b", "revision": None}}
+
+
+def _args(**overrides: Any) -> list[str]:
+    return make_plan("svc", "ns", make_spec(**overrides), CATALOG).invocation.args
+
+
+def test_fields_become_flags_the_davit_parser_reads() -> None:
+    args = _args(**FP8_BOTH)
+    assert args[args.index("--quantization") + 1] == "fp8"
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    parsed = build_parser().parse_args(args)
+    assert (parsed.quantization, parsed.kv_cache_dtype) == ("fp8", "fp8")
+    plain = _args()
+    assert "--quantization" not in plain and "--kv-cache-dtype" not in plain
+
+
+def test_vllm_gets_the_same_flags() -> None:
+    args = _args(engine={"type": "vllm", "version": "0.30.0", **FP8_BOTH["engine"]})
+    assert args[args.index("--quantization") :][:2] == ["--quantization", "fp8"]
+    assert args[args.index("--kv-cache-dtype") :][:2] == ["--kv-cache-dtype", "fp8"]
+
+
+@pytest.mark.parametrize("bad", [{"quantization": "int4"}, {"kvCacheDtype": "fp8_e5m2"}])
+def test_bad_values_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        make_spec(engine={"type": "davit", "version": "0.1.0", **bad})
+
+
+def test_extra_args_may_not_set_the_fp8_flags() -> None:
+    """The CRD's extraArgs rule (CEL, checked by the API server) lists them as owned flags."""
+    assert {"--quantization", "-q", "--kv-cache-dtype"} <= set(OWNED_FLAGS)
+    rules = EngineSpec.model_json_schema()["x-kubernetes-validations"]
+    owned = next(r["rule"] for r in rules if "extraArgs" in r["rule"])
+    assert "'--kv-cache-dtype'" in owned and "'--quantization'" in owned
+
+
+def test_estimate_counts_one_byte_per_fp8_element() -> None:
+    shape = SHAPES.shapes["llama-3.1-8b"]
+    limits = effective_limits(make_spec(**RANDOM_8B, limits={"maxModelLen": 8192}), shape)
+    device = SHAPES.device_bytes("NVIDIA-H200")
+    assert device is not None
+    bf16 = estimate_memory(shape, limits, device, 1)
+    fp8 = estimate_memory(shape, limits, device, 1, precision=Precision(1, 1))
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    projections = shape.projection_parameters
+    assert bf16.weights_bytes - fp8.weights_bytes == projections - 4 * shape.projection_channels
+    # Llama-3.1-8B: 6.98B projection weights of 8.03B; FP8 weights ~9.1 GB with scales.
+    assert weight_bytes(shape, 2, Precision(1, 2)) == pytest.approx(9.07e9, rel=0.01)
+    assert fp8.kv_cache_bytes > bf16.kv_cache_bytes  # the weights' savings go to the cache
+
+
+def test_plan_capacity_doubles_with_an_fp8_cache() -> None:
+    spec = {**RANDOM_8B, "limits": {"maxModelLen": 8192}}
+    bf16 = make_plan("svc", "ns", make_spec(**spec), CATALOG).memory
+    kv = make_plan("svc", "ns", make_spec(**spec, engine={"kvCacheDtype": "fp8"}), CATALOG).memory
+    assert bf16 is not None and kv is not None
+    assert bf16.token_capacity is not None and kv.token_capacity is not None
+    assert kv.token_capacity == pytest.approx(2 * bf16.token_capacity, rel=0.001)
+
+
+def test_preflight_fits_with_fp8_what_bf16_cannot() -> None:
+    """Llama-3.1-70B on one H200: 141 GB of bf16 weights do not fit; 71 GB of FP8 ones do."""
+    spec = {"model": {"source": "random://llama-3.1-70b", "revision": None},
+            "limits": {"maxModelLen": 8192}}  # fmt: skip
+    with pytest.raises(PlanError, match="InsufficientMemory|weights alone") as err:
+        make_plan("svc", "ns", make_spec(**spec), CATALOG)
+    assert err.value.reason == "InsufficientMemory"
+    plan = make_plan("svc", "ns", make_spec(**spec, engine={"quantization": "fp8"}), CATALOG)
+    assert plan.memory is not None and plan.memory.source == "estimate"
+
+
+def test_identity_changes_only_when_set() -> None:
+    plain = make_plan("svc", "ns", make_spec(), CATALOG)
+    assert "quantization" not in profile_identity(plain)  # earlier hashes stay valid
+    hashes = {
+        identity_hash(profile_identity(make_plan("svc", "ns", make_spec(**o), CATALOG)))
+        for o in ({}, {"engine": {"quantization": "fp8"}}, {"engine": {"kvCacheDtype": "fp8"}}, FP8_BOTH)
+    }  # fmt: skip
+    assert len(hashes) == 4
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "field"),
+    [
+        ({"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}, "engine.quantization"),
+        ({"vendor": "intel", "product": "Max_1550"}, "engine.quantization"),
+        ({"vendor": "cpu", "product": None}, "engine.quantization"),
+    ],
+)
+def test_accelerators_without_fp8_are_refused_naming_the_field(
+    accelerator: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(PlanError) as err:
+        make_plan("svc", "ns", make_spec(**FP8_BOTH, accelerator=accelerator), CATALOG)
+    assert err.value.reason == "UnsupportedByAccelerator"
+    assert err.value.field == field
+    assert "engine.quantization fp8 and engine.kvCacheDtype fp8" in err.value.message
+    assert "lacking" in err.value.message
+    with pytest.raises(PlanError) as only_kv:
+        make_plan(
+            "svc", "ns", make_spec(engine={"kvCacheDtype": "fp8"}, accelerator=accelerator), CATALOG
+        )
+    assert only_kv.value.field == "engine.kvCacheDtype"
+
+
+def test_a100_refusal_names_products_with_fp8() -> None:
+    with pytest.raises(PlanError, match="NVIDIA-H200") as err:
+        make_plan("svc", "ns", make_spec(**FP8_BOTH, accelerator={"vendor": "nvidia",
+                  "product": "NVIDIA-A100-SXM4-40GB"}), CATALOG)  # fmt: skip
+    assert "accelerator.product NVIDIA-A100-SXM4-40GB" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "accelerator",
+    [{"vendor": "nvidia", "product": "NVIDIA-H200"}, {"vendor": "nvidia", "product": "NVIDIA-L4"},
+     {"vendor": "nvidia", "product": None}, {"vendor": "nvidia", "product": "NVIDIA-RTX-PRO-6000"}],
+)  # fmt: skip
+def test_fp8_accelerators_and_unrecorded_products_pass(accelerator: dict[str, Any]) -> None:
+    plan = make_plan("svc", "ns", make_spec(**FP8_BOTH, accelerator=accelerator), CATALOG)
+    assert "--kv-cache-dtype" in plan.invocation.args
+
+
+def _catalog_without_fp8() -> Catalog:
+    engines = CATALOG.engines
+    davit = engines.engines["davit"]
+    releases = [
+        r.model_copy(update={"capabilities": r.capabilities.model_copy(
+            update={"quantization": [], "kv_cache_dtypes": []})})
+        for r in davit.releases
+    ]  # fmt: skip
+    davit = davit.model_copy(update={"releases": releases})
+    return CATALOG.model_copy(
+        update={
+            "engines": engines.model_copy(update={"engines": {**engines.engines, "davit": davit}})
+        }
+    )
+
+
+def test_release_without_fp8_is_refused_naming_the_field_and_alternatives() -> None:
+    with pytest.raises(PlanError) as err:
+        make_plan("svc", "ns", make_spec(engine={"kvCacheDtype": "fp8"}), _catalog_without_fp8())
+    assert err.value.reason == "UnsupportedByEngine"
+    assert err.value.field == "engine.kvCacheDtype"
+    assert "remove engine.kvCacheDtype" in err.value.message
+    assert "engine.type: vllm" in err.value.message  # vLLM releases record no limit
