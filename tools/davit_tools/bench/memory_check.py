@@ -95,6 +95,7 @@ def _config(args: argparse.Namespace, model: str, max_model_len: int, **kw: Any)
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
         seed=0,
+        kv_cache_dtype=args.kv_cache_dtype,
         **kw,
     )
 
@@ -360,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tail", type=int, default=16, help="decode steps all requests run together at the end"
     )
     parser.add_argument("--seconds-per-shape", type=float, default=120.0)
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="engine flag of the run"
+    )
     parser.add_argument(
         "--explicit-check", default="", help="shapes that also start from explicit KV bytes"
     )

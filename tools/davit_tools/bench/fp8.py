@@ -1,0 +1,407 @@
+"""FP8 on the GPU, in one call: kernel tests, kernel timings, W1/W2 in bf16 beside FP8, and the
+memory check with an FP8 KV cache.
+
+    . hack/device/env.sh && python3 -m davit_tools.bench.fp8 --sections tests,gemm,attention,w2,w1,memory
+
+Sections (each runs on its own; a failing one is reported and the next runs):
+- `tests`: the FP8 kernel and module tests with their `gpu` cases (pytest, on this GPU);
+- `gemm`: one projection at W2's shapes (Llama-3.1-8B: qkv, o, gate_up, down) and 1 / 16 / 256
+  rows, inside CUDA graphs with weights cycled beyond L2: the bf16 library GEMM, the FP8
+  weight-only Triton product (default tile and `--gemm-configs`), and per-token quantization +
+  `torch._scaled_mm`; each FP8 result's error against the dequantized product;
+- `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128) and W2's
+  (B 1, context 1152, 32/8 x 128) over a bf16 and an FP8 cache (write included separately);
+- `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
+  an FP8 KV cache (`--w2-variants`), decode tok/s against each one's bandwidth floor, and
+  whether the greedy tokens agree;
+- `w1`: W1 the same way, bf16 then an FP8 KV cache;
+- `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess.
+
+Every result is a JSON line in `$OUT/fp8.jsonl` with its configuration; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from davit_tools.bench.workloads import W1, W2, OfflineWorkload, model_shape
+
+OUT = Path(os.environ.get("OUT", "/tmp/davit-fp8"))
+ROWS: list[dict[str, Any]] = []
+W2_SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+def record(section: str, **fields: Any) -> None:
+    row = {"section": section, **fields}
+    ROWS.append(row)
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "fp8.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def versions() -> dict[str, str]:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+TEST_PATHS = (
+    "tests/engine/kernels/test_fp8.py",
+    "tests/engine/kernels/test_fp8_linear.py",
+    "tests/engine/kernels/test_kv_cache.py",
+    "tests/engine/kernels/test_paged_attention.py",
+    "tests/engine/quant/test_fp8_linear.py",
+)
+
+
+def section_tests(args: argparse.Namespace) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *args.tests_args.split(),
+        *TEST_PATHS,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout_s)
+    (OUT / "tests.log").write_text(done.stdout + done.stderr)
+    summary = [line for line in done.stdout.splitlines() if " passed" in line or " failed" in line]
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    record("tests", returncode=done.returncode, summary=summary[-1:] or done.stdout[-300:],
+           failed=failed[:20])  # fmt: skip
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _parse_configs(text: str) -> list[Any]:
+    """`BLOCK_N/BLOCK_K/WARPS/STAGES;...` -> MatmulConfigs (rows tile 16)."""
+    from davit_engine.kernels.fp8_linear import MatmulConfig
+
+    configs = []
+    for item in filter(None, text.split(";")):
+        n, k, w, s = (int(v) for v in item.split("/"))
+        configs.append(MatmulConfig(block_m=16, block_n=n, block_k=k, num_warps=w, num_stages=s))
+    return configs
+
+
+def _weight_only(
+    x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor], config: Any, i: int
+) -> torch.Tensor:
+    from davit_engine.kernels.fp8_linear import fp8_weight_matmul
+
+    return fp8_weight_matmul(x, fp8[i], scales[i], config=config)
+
+
+def _gemm_rows(
+    name: str, bf16: list[torch.Tensor], fp8: list[torch.Tensor], scales: list[torch.Tensor],
+    rows: int, extra: list[Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One projection shape at `rows` rows: bf16 library GEMM, FP8 weight-only tiles, per-token
+    quantization + torch._scaled_mm; weights cycled over the copies."""
+    from davit_engine.kernels.fp8_linear import (
+        default_config,
+        fp8_weight_matmul,
+        fp8_weight_matmul_reference,
+        quantize_rows,
+    )
+    from davit_tools.bench.timing import graph_us
+
+    n, k = fp8[0].shape
+    copies = len(fp8)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    turn = [0]
+
+    def cycled(fn: Callable[[int], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            turn[0] = (turn[0] + 1) % copies
+            return fn(turn[0])
+
+        return call
+
+    def scaled(i: int) -> torch.Tensor:
+        q, s = quantize_rows(x)
+        return torch._scaled_mm(
+            q, fp8[i].t(), scale_a=s, scale_b=scales[i].view(1, -1), out_dtype=torch.bfloat16
+        )
+
+    row: dict[str, Any] = {"shape": name, "n": n, "k": k, "rows": rows}
+    row["bf16_us"] = round(
+        graph_us(cycled(lambda i: torch.nn.functional.linear(x, bf16[i])), 20), 2
+    )
+    ref = fp8_weight_matmul_reference(x, fp8[0], scales[0])
+    for cfg in [default_config(rows), *extra]:
+        label = f"triton_{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+        try:
+            err = _rel_err(fp8_weight_matmul(x, fp8[0], scales[0], config=cfg), ref)
+            us = graph_us(cycled(functools.partial(_weight_only, x, fp8, scales, cfg)), 20)
+            row[label + "_us"] = round(us, 2)
+            row[label + "_err"] = round(err, 5)
+        except Exception as exc:  # a tile that does not compile here: report, go on
+            row[label + "_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    try:
+        row["scaled_mm_err"] = round(_rel_err(scaled(0), ref), 5)
+        row["scaled_mm_us"] = round(graph_us(cycled(scaled), 20), 2)
+    except Exception as exc:
+        row["scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return row
+
+
+def section_gemm(args: argparse.Namespace) -> None:
+    from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
+
+    extra = _parse_configs(args.gemm_configs)
+    for name, (n, k) in W2_SHAPES.items():
+        copies = max(2, -(-400_000_000 // (n * k * 2)))  # bf16 copies well beyond L2
+        bf16 = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+        ]
+        scales = [(w.float().abs().amax(dim=1) / FP8_MAX) for w in bf16]
+        fp8 = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
+        for rows in (1, 16, 256):
+            record("gemm", **_gemm_rows(name, bf16, fp8, scales, rows, extra))
+        bf16.clear()
+        fp8.clear()
+        torch.cuda.empty_cache()
+
+
+def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dict[str, Any]:
+    from davit_engine.kernels.kv_cache import write_kv
+    from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+    from davit_tools.bench.timing import graph_us
+
+    page, dim = 16, 128
+    blocks_per = -(-ctx // page)
+    num_blocks = batch * blocks_per
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
+    splits = default_num_splits(batch, hkv, ctx)
+    bf16 = torch.randn(2, num_blocks, page, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    kv_scale = torch.full((2, hkv), 4.0 / 448, device="cuda")
+    fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)
+    slots = torch.arange(num_blocks * page, device="cuda")
+    flat = bf16.view(2, -1, hkv, dim)
+    write_kv(flat[0], flat[1], fp8, slots, kv_scale)
+    row: dict[str, Any] = {"shape": label, "batch": batch, "context": ctx,
+                           "heads": f"{hq}/{hkv}x{dim}", "splits": splits}  # fmt: skip
+    kv_bytes = batch * ctx * hkv * dim * 2
+    for name, cache, scale, element in (("bf16", bf16, None, 2), ("fp8", fp8, kv_scale, 1)):
+        attend = functools.partial(
+            paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale
+        )
+        us = graph_us(attend, 20)
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_tb_s"] = round(kv_bytes * element / us / 1e6, 3)
+    row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+    k_new = torch.randn(batch, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    row["write_fp8_us"] = round(
+        graph_us(lambda: write_kv(k_new, k_new, fp8, slots[:batch], kv_scale), 20), 2
+    )
+    row["write_bf16_us"] = round(
+        graph_us(lambda: write_kv(k_new, k_new, bf16, slots[:batch]), 20), 2
+    )
+    return row
+
+
+def section_attention(args: argparse.Namespace) -> None:
+    for label, batch, ctx, hq, hkv in (("w1", 256, 840, 16, 8), ("w2", 1, 1152, 32, 8)):
+        record("attention", **_attention_shape(label, batch, ctx, hq, hkv))
+        torch.cuda.empty_cache()
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    quantization: str | None
+    kv_cache_dtype: str
+
+
+VARIANTS = {
+    "bf16": Variant("bf16", None, "auto"),
+    "fp8-kv": Variant("fp8-kv", None, "fp8"),
+    "fp8-weights": Variant("fp8-weights", "fp8", "auto"),
+    "fp8-both": Variant("fp8-both", "fp8", "fp8"),
+}
+
+
+def w2_floor_bytes(w2: W2, variant: Variant) -> int:
+    """Bytes one W2 decode step must read at the floor context: every decoder projection at 1
+    byte per weight (plus its float32 channel scales) with FP8 weights, else 2; the LM head and
+    norms at 2; K and V at 1 or 2 bytes per element."""
+    c = model_shape(w2.model)
+    per_layer_proj = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    per_layer_proj += 3 * c.hidden_size * c.intermediate_size
+    proj = c.num_layers * per_layer_proj
+    scales = (
+        c.num_layers
+        * 4
+        * (c.q_size + 2 * c.kv_size + c.hidden_size + 2 * c.intermediate_size + c.hidden_size)
+    )
+    rest = c.num_parameters() - c.vocab_size * c.hidden_size - proj
+    weights = proj * (1 if variant.quantization else 2) + (scales if variant.quantization else 0)
+    kv_element = 1 if variant.kv_cache_dtype != "auto" else 2
+    kv = w2.floor_context * c.num_layers * c.num_kv_heads * c.head_dim * 2 * kv_element
+    return weights + 2 * rest + kv
+
+
+def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -> dict[str, Any]:
+    from davit_tools.bench.gpu_suite import (
+        _engine_loop,
+        free_memory,
+        make_core,
+        warmup_requests,
+        workload_requests,
+    )
+
+    start = time.perf_counter()
+    core = make_core(workload.model, "v2", False, "bfloat16", quantization=variant.quantization,
+                     kv_cache_dtype=variant.kv_cache_dtype, **workload.engine_limits())  # fmt: skip
+    try:
+        setup_s = time.perf_counter() - start
+        vocab = core.model_info.vocab_size
+        _engine_loop(core, warmup_requests(vocab))
+        res = _engine_loop(core, workload_requests(workload, vocab))
+        profile = core.memory_profile
+        res["num_blocks"] = core.model_info.num_blocks
+        if profile is not None:
+            res["token_capacity"] = profile.memory.token_capacity
+            res["block_bytes"] = profile.memory.block_bytes
+            res["weights_gib"] = round(profile.memory.weights_bytes / 2**30, 3)
+    finally:
+        core.shutdown()
+        del core
+        free_memory()
+    res["setup_s"] = round(setup_s, 1)
+    return res
+
+
+def section_w2(args: argparse.Namespace) -> None:
+    w2 = W2()
+    first: list[list[int]] | None = None
+    for name in args.w2_variants.split(","):
+        variant = VARIANTS[name]
+        res = _run_workload(w2, variant, args.copy_bw)
+        outputs = list(res.pop("outputs").values())
+        decode = w2.decode_tokens / (res["elapsed_s"] - res["first_token_s"])
+        floor = args.copy_bw / w2_floor_bytes(w2, variant)
+        same = None
+        if first is None:
+            first = outputs
+        else:
+            same = sum(a == b for a, b in zip(first[0], outputs[0], strict=False))
+        record("w2", variant=name, model=w2.model, decode_tok_s=round(decode, 1),
+               floor_tok_s=round(floor, 1), share_of_floor=round(decode / floor, 3),
+               tokens_equal_to_first_variant=same, runner="v2-graphs-async", **res, **versions())  # fmt: skip
+
+
+def section_w1(args: argparse.Namespace) -> None:
+    w1 = W1()
+    for name in args.w1_variants.split(","):
+        res = _run_workload(w1, VARIANTS[name], args.copy_bw)
+        res.pop("outputs")
+        record("w1", variant=name, model=w1.model, runner="v2-graphs-async", **res, **versions())
+
+
+def section_memory(args: argparse.Namespace) -> None:
+    cmd = [sys.executable, "-m", "davit_tools.bench.memory_check", "--shapes", args.memory_shapes,
+           "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", str(args.memory_batched_tokens),
+           "--seconds-per-shape", str(args.memory_seconds)]  # fmt: skip
+    env = {**os.environ, "OUT": str(OUT / "memory")}
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=args.memory_timeout_s
+    )
+    (OUT / "memory.log").write_text(done.stdout[-200_000:] + done.stderr[-200_000:])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"shape"')]
+    record("memory", returncode=done.returncode, rows=lines, command=" ".join(cmd[1:]))
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tests": section_tests,
+    "gemm": section_gemm,
+    "attention": section_attention,
+    "w2": section_w2,
+    "w1": section_w1,
+    "memory": section_memory,
+}
+
+
+def _table() -> str:
+    lines = []
+    for row in ROWS:
+        keys = [k for k in row if k not in ("section", "gpu", "torch", "triton", "rows")]
+        brief = ", ".join(f"{k}={row[k]}" for k in keys[:14])
+        lines.append(f"{row['section']}: {brief}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m davit_tools.bench.fp8")
+    parser.add_argument("--sections", default="tests,gemm,attention,w2,w1,memory")
+    parser.add_argument("--w2-variants", default="bf16,fp8-both")
+    parser.add_argument("--w1-variants", default="bf16,fp8-kv")
+    parser.add_argument("--gemm-configs", default="32/512/4/4;16/256/4/4;16/1024/8/3",
+                        help="extra weight-only tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
+    parser.add_argument("--copy-bw", type=float, default=4.24e12, help="bytes/s (run 2)")
+    parser.add_argument("--memory-shapes", default="qwen3-0.6b:16384")
+    parser.add_argument("--memory-batched-tokens", type=int, default=8192)
+    parser.add_argument("--memory-seconds", type=float, default=60)
+    parser.add_argument("--memory-timeout-s", type=float, default=200)
+    parser.add_argument("--tests-timeout-s", type=float, default=240)
+    parser.add_argument("--tests-args", default="", help='extra pytest arguments, e.g. "-m gpu"')
+    parser.add_argument("--deadline-s", type=float, default=560, help="skip sections after this")
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for name in args.sections.split(","):
+        if time.perf_counter() - start > args.deadline_s:
+            record("skipped", name=name, reason="deadline")
+            continue
+        began = time.perf_counter()
+        try:
+            SECTIONS[name](args)
+        except Exception as exc:  # report and run the next section
+            traceback.print_exc()
+            record("error", name=name, error=f"{type(exc).__name__}: {exc}"[:400])
+        print(f"[{name}] {time.perf_counter() - began:.1f} s", flush=True)
+    print(_table(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
