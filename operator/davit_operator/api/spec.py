@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from kubernetes.utils.quantity import parse_quantity
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from davit_operator.api.rollout import RolloutSpec
 from davit_operator.api.schema import CrdModel, Quantity, cel_rule, object_default
@@ -41,6 +42,10 @@ OWNED_FLAGS = (
     "--max-num-batched-tokens",
     "--gpu-memory-utilization",
     "--kv-cache-memory-bytes",
+    "--kv-offloading-size",
+    "--kv-offloading-backend",
+    "--kv-offload-disk-path",
+    "--kv-offload-disk-bytes",
     "--runner",
     "--revision",
     "--speculative-config",
@@ -571,12 +576,158 @@ class SpeculativeSpec(CrdModel):
     )
 
 
+def _positive_size_rule(field: str) -> dict[str, Any]:
+    return cel_rule(
+        "type(self.size) == int ? self.size > 0 : "
+        "(isQuantity(self.size) && quantity(self.size).isGreaterThan(quantity('0')))",
+        f"{field}.size must be a positive quantity (bytes, or with a suffix such as Gi)",
+        ".size",
+    )
+
+
+def positive_bytes(value: int | str, field: str) -> int:
+    """A quantity as whole bytes; ValueError naming `field` unless it is positive."""
+    try:
+        amount = parse_quantity(value)
+    except ValueError:
+        raise ValueError(f"{field} must be a quantity such as 32Gi, got {value!r}") from None
+    if amount <= 0:
+        raise ValueError(f"{field} must be positive, got {value!r}")
+    return int(amount)
+
+
+class KvOffloadCpuSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [_positive_size_rule("features.kvCacheOffloading.cpu")]
+        }
+    )
+
+    size: Quantity = Field(
+        description=(
+            "Host memory for KV blocks (e.g. 32Gi), passed as --kv-offloading-size (GiB, "
+            "upstream's flag); the pod's memory request (and limit, if set) grows by it."
+        )
+    )
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        positive_bytes(value, "features.kvCacheOffloading.cpu.size")
+        return value
+
+
+class KvOffloadDiskSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _positive_size_rule("features.kvCacheOffloading.disk"),
+                cel_rule(
+                    "self.kind != 'PersistentVolumeClaim' || has(self.claimName)",
+                    "features.kvCacheOffloading.disk.claimName is required when kind is "
+                    "PersistentVolumeClaim",
+                    ".claimName",
+                    reason="FieldValueRequired",
+                ),
+                cel_rule(
+                    "self.kind == 'PersistentVolumeClaim' || !has(self.claimName)",
+                    "features.kvCacheOffloading.disk.claimName only applies to kind "
+                    "PersistentVolumeClaim",
+                    ".claimName",
+                ),
+            ]
+        }
+    )
+
+    size: Quantity = Field(
+        description=(
+            "Bytes of KV block files (e.g. 200Gi): the emptyDir's sizeLimit; the engine keeps "
+            "its files within 90% of it (--kv-offload-disk-bytes)."
+        )
+    )
+    kind: Literal["EmptyDir", "PersistentVolumeClaim"] = Field(
+        default="EmptyDir",
+        description=(
+            "EmptyDir: a per-pod folder, gone with the pod. PersistentVolumeClaim: the claim "
+            "claimName, so a restarted pod finds its prefixes (give each replica its own claim, "
+            "or a ReadWriteMany one: replicas then share the files)."
+        ),
+    )
+    claim_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The PersistentVolumeClaim (kind PersistentVolumeClaim only).",
+    )
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        positive_bytes(value, "features.kvCacheOffloading.disk.size")
+        return value
+
+    @model_validator(mode="after")
+    def _claim(self) -> KvOffloadDiskSpec:
+        if (self.kind == "PersistentVolumeClaim") != (self.claim_name is not None):
+            raise ValueError(
+                "features.kvCacheOffloading.disk.claimName is required with kind "
+                "PersistentVolumeClaim and only allowed with it"
+            )
+        return self
+
+
+class KvCacheOffloadingSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "has(self.cpu) || has(self.disk)",
+                    "features.kvCacheOffloading needs cpu, disk or both",
+                )
+            ]
+        }
+    )
+
+    cpu: KvOffloadCpuSpec | None = Field(
+        default=None, description="The CPU tier: host memory below the GPU prefix cache."
+    )
+    disk: KvOffloadDiskSpec | None = Field(
+        default=None, description="The disk tier: block files below the CPU tier."
+    )
+
+    @model_validator(mode="after")
+    def _some_tier(self) -> KvCacheOffloadingSpec:
+        if self.cpu is None and self.disk is None:
+            raise ValueError("features.kvCacheOffloading needs cpu, disk or both")
+        return self
+
+
 class FeaturesSpec(CrdModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "!has(self.kvCacheOffloading) || self.prefixCaching",
+                    "features.kvCacheOffloading stores prefix-cache blocks: it needs "
+                    "features.prefixCaching true",
+                    ".kvCacheOffloading",
+                )
+            ]
+        }
+    )
+
     prefix_caching: bool = Field(
         default=True, description="Reuse KV-cache blocks of shared prompt prefixes."
     )
     speculative: SpeculativeSpec | None = Field(
         default=None, description="Speculative decoding; off when unset."
+    )
+    kv_cache_offloading: KvCacheOffloadingSpec | None = Field(
+        default=None,
+        description=(
+            "KV-cache tiers below the GPU prefix cache (host memory, then disk): a prompt whose "
+            "prefix left the GPU loads it back instead of recomputing it. Needs prefixCaching."
+        ),
     )
     custom_logits_processors: list[
         Annotated[
@@ -595,6 +746,15 @@ class FeaturesSpec(CrdModel):
             "(module.Class). Runner V2 does not support them: they select V1."
         ),
     )
+
+    @model_validator(mode="after")
+    def _offload_needs_prefix_caching(self) -> FeaturesSpec:
+        if self.kv_cache_offloading is not None and not self.prefix_caching:
+            raise ValueError(
+                "features.kvCacheOffloading stores prefix-cache blocks: it needs "
+                "features.prefixCaching true"
+            )
+        return self
 
 
 class LimitsSpec(CrdModel):

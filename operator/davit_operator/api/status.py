@@ -93,6 +93,14 @@ class MemoryPlanStatus(CrdModel):
     max_concurrency: str | None = Field(
         default=None, description="Full-length (maxModelLen) sequences the KV cache holds."
     )
+    cpu_offload_token_capacity: int | None = Field(
+        default=None,
+        description="Tokens the KV offload CPU tier holds (features.kvCacheOffloading).",
+    )
+    disk_offload_token_capacity: int | None = Field(
+        default=None,
+        description="Tokens the KV offload disk tier holds (features.kvCacheOffloading).",
+    )
 
 
 class ModelStatus(CrdModel):

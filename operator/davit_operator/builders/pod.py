@@ -7,6 +7,7 @@ from typing import Any
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.planning.args import MODEL_CACHE_DIR, MODEL_STORE_DIR
+from davit_operator.planning.offload import offload_mount, offload_volume
 from davit_operator.planning.plan import Plan
 
 # The variable both engine types read their API key from.
@@ -57,7 +58,8 @@ def serving_env(plan: Plan) -> list[dict[str, Any]]:
 
 
 def engine_volume_mounts(plan: Plan) -> list[dict[str, Any]]:
-    """The engine container's mounts: model cache, shared memory, read-only model volumes."""
+    """The engine container's mounts: model cache, shared memory, read-only model volumes,
+    the KV offload disk tier."""
     mounts: list[dict[str, Any]] = [
         {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -68,6 +70,9 @@ def engine_volume_mounts(plan: Plan) -> list[dict[str, Any]]:
         {"name": m.volume_name, "mountPath": m.mount_path, "readOnly": True}
         for m in plan.invocation.model_mounts
     ]
+    offload = offload_mount(plan.spec)
+    if offload is not None:
+        mounts.append(offload)
     return mounts
 
 
@@ -93,6 +98,9 @@ def engine_volumes(plan: Plan) -> list[dict[str, Any]]:
         }
         for m in plan.invocation.model_mounts
     ]
+    offload = offload_volume(plan.spec)
+    if offload is not None:
+        volumes.append(offload)  # the KV offload disk tier (read-write)
     return volumes
 
 

@@ -124,6 +124,9 @@ class Capabilities(_Data):
     max_tensor_parallel: int | None = Field(default=None, ge=1)
     max_pipeline_parallel: int | None = Field(default=None, ge=1)
     max_data_parallel: int | None = Field(default=None, ge=1)
+    # KV offload tiers (features.kvCacheOffloading) the release implements; none recorded:
+    # the spec is refused.
+    kv_offloading: list[Literal["cpu", "disk"]] = Field(default_factory=list)
     expert_parallel: bool = True
     unsupported_features: list[FeatureName] = Field(default_factory=list)
     speculative_methods: list[SpeculativeMethod] | None = None

@@ -14,6 +14,7 @@ from typing import Any
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import EngineInfo
 from davit_operator.planning.errors import PlanError
+from davit_operator.planning.offload import offload_args
 from davit_operator.planning.runner import SelectedRunner
 
 ENGINE_PORT = 8000
@@ -183,6 +184,7 @@ def engine_invocation(
         args += ["--quantization", spec.engine.quantization]
     if spec.engine.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
+    args += offload_args(spec, engine)
     speculative, draft_mounts = _speculative_config(spec, mounts)
     if speculative is not None:
         args += ["--speculative-config", speculative]

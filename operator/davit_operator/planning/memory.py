@@ -33,6 +33,7 @@ from davit_contract.profile import MemoryProfile
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.api.status import MemoryPlanStatus
 from davit_operator.planning.errors import PlanError
+from davit_operator.planning.offload import tier_tokens
 
 if TYPE_CHECKING:
     from davit_operator.planning.plan import Plan
@@ -457,6 +458,9 @@ class MemoryPlan:
     max_model_len: int | None = None
     max_concurrency: float | None = None
     profile_name: str | None = None
+    # KV offload tiers' capacities in tokens (features.kvCacheOffloading), None without one.
+    cpu_offload_tokens: int | None = None
+    disk_offload_tokens: int | None = None
 
     def to_status(self) -> MemoryPlanStatus:
         """The status's memoryPlan; fields without a value are left unset."""
@@ -476,6 +480,8 @@ class MemoryPlan:
             "maxConcurrency": str(self.max_concurrency)
             if self.max_concurrency is not None
             else None,
+            "cpuOffloadTokenCapacity": self.cpu_offload_tokens,
+            "diskOffloadTokenCapacity": self.disk_offload_tokens,
         }
         return MemoryPlanStatus.model_validate({k: v for k, v in fields.items() if v is not None})
 
@@ -541,11 +547,30 @@ def profile_plan(profile: MemoryProfile, identity: str, profile_name: str) -> Me
         max_model_len=profile.identity.max_model_len,
         max_concurrency=m.max_concurrency,
         profile_name=profile_name,
+        # Measured by the engine with the replicas' own offload flags, when it has tiers.
+        cpu_offload_tokens=(profile.offload or {}).get("cpu_token_capacity") or None,
+        disk_offload_tokens=(profile.offload or {}).get("disk_token_capacity") or None,
     )
+
+
+def with_offload_tokens(spec: InferenceServiceSpec, memory: MemoryPlan) -> MemoryPlan:
+    """`memory` with the KV offload tiers' token capacities, from the spec's sizes and the KV
+    bytes per block the plan implies (kept when a profile measured them)."""
+    if spec.features.kv_cache_offloading is None:
+        return memory
+    if memory.cpu_offload_tokens is not None or memory.disk_offload_tokens is not None:
+        return memory
+    if not memory.kv_cache_bytes or not memory.token_capacity:
+        return memory
+    block_size = engine_defaults.BLOCK_SIZE
+    block_bytes = memory.kv_cache_bytes // (memory.token_capacity // block_size)
+    cpu, disk = tier_tokens(spec, block_bytes, block_size)
+    return replace(memory, cpu_offload_tokens=cpu, disk_offload_tokens=disk)
 
 
 def with_memory(plan: Plan, memory: MemoryPlan) -> Plan:
     """The plan with `memory` in it; explicit and profiled KV bytes become the engine flag."""
+    memory = with_offload_tokens(plan.spec, memory)
     invocation = plan.invocation
     if memory.source in ("explicit", "profile") and memory.kv_cache_bytes is not None:
         args = list(invocation.args)

@@ -15,6 +15,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog
+from davit_operator.planning.offload import cpu_bytes
 
 # Per accelerator (or per replica on CPU): enough for tokenization, the HTTP front end and
 # loading weights; users raise them through pod.resources.
@@ -77,6 +78,12 @@ def plan_placement(spec: InferenceServiceSpec, catalog: Catalog) -> Placement:
         requests = {"cpu": str(CPU_ONLY_CPU), "memory": f"{CPU_ONLY_MEMORY_GIB}Gi"}
     requests.update({k: _quantity(v) for k, v in spec.pod.resources.requests.items()})
     limits = {k: _quantity(v) for k, v in spec.pod.resources.limits.items()}
+    # The KV offload CPU tier is host memory on top of everything else (a set limit too).
+    offload = cpu_bytes(spec)
+    if offload:
+        requests["memory"] = str(int(parse_quantity(requests["memory"])) + offload)
+        if "memory" in limits:
+            limits["memory"] = str(int(parse_quantity(limits["memory"])) + offload)
     if vendor.resource is not None:
         # Extended resources are requested through limits; the API server copies them.
         limits[vendor.resource] = str(count)
