@@ -1,9 +1,10 @@
 """Host memory for KV block images: the CPU tier's blocks and the disk tier's bounce buffers.
 
-One tensor of `num_slots` block images. With a CUDA cache the memory is page-locked (registered
-with the driver after a plain allocation: torch's pinned allocator rounds a request up to a
-power of two, which would take up to twice the configured size), so copies to and from the GPU
-run asynchronously on the copy engines; with a CPU cache it is ordinary memory.
+`num_slots` block images. With a CUDA cache the memory is page-locked, so copies to and from
+the GPU run asynchronously on the copy engines; with a CPU cache it is ordinary memory. torch's
+pinned allocator rounds every request up to a power of two, which would take up to twice the
+configured bytes: the slots are carved from allocations of exact powers of two instead (the
+binary digits of the total), wasting less than a block per allocation.
 
 A slot is free, holds a CPU-tier block, or is a bounce buffer of an operation under way.
 `pins` counts the copies and file operations that still read or write a slot: a pinned slot is
@@ -25,10 +26,16 @@ class HostPool:
     def __init__(self, num_slots: int, block_bytes: int, pin: bool) -> None:
         self.num_slots = num_slots
         self.block_bytes = block_bytes
-        self.images = torch.empty(num_slots, block_bytes, dtype=torch.uint8)  # [slots, bytes]
-        self.is_pinned = False
-        if pin and num_slots:
-            self.is_pinned = _register(self.images)
+        self.is_pinned = bool(pin and num_slots)
+        self._rows: list[torch.Tensor] = []  # one [block_bytes] uint8 image per slot
+        if self.is_pinned:
+            try:
+                self._rows = _pinned_rows(num_slots, block_bytes)
+            except RuntimeError as exc:
+                logger.warning("KV offload: no page-locked host memory (%s): copies wait", exc)
+                self.is_pinned = False
+        if not self._rows and num_slots:
+            self._rows = list(torch.empty(num_slots, block_bytes, dtype=torch.uint8).unbind(0))
         self.pins = [0] * num_slots
         self._free: deque[int] = deque(range(num_slots))
         # The last copy from the GPU into each slot (CUDA event), waited on by whoever reads
@@ -60,30 +67,27 @@ class HostPool:
         self.pins[slot] -= 1
 
     def image(self, slot: int) -> torch.Tensor:
-        return self.images[slot]
+        return self._rows[slot]
 
     def array(self, slot: int) -> np.ndarray:
         """The slot as a numpy array sharing its memory (for file I/O on worker threads)."""
-        return self.images[slot].numpy()
+        return self._rows[slot].numpy()
 
     def close(self) -> None:
-        if self.is_pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.images.data_ptr())
-            self.is_pinned = False
+        """Release the memory (the pinned allocator keeps it cached for torch)."""
+        self._rows = []
 
 
-def _register(images: torch.Tensor) -> bool:
-    """Page-lock `images` for asynchronous copies; False (with a warning) when the driver
-    refuses, e.g. over the locked-memory limit: copies then still work, synchronously."""
-    nbytes = images.numel()
-    result = torch.cuda.cudart().cudaHostRegister(images.data_ptr(), nbytes, 0)
-    code = int(result[0] if isinstance(result, tuple) else result)
-    if code != 0:
-        logger.warning(
-            "KV offload: could not page-lock %.2f GiB of host memory (CUDA error %d); copies "
-            "between the GPU and the CPU tier will be slower",
-            nbytes / 2**30,
-            code,
-        )
-        return False
-    return True
+def _pinned_rows(num_slots: int, block_bytes: int) -> list[torch.Tensor]:
+    """`num_slots` page-locked images from allocations of exact powers of two bytes."""
+    rows: list[torch.Tensor] = []
+    left = num_slots * block_bytes
+    while len(rows) < num_slots:
+        size = 1 << max(left.bit_length() - 1, 0)
+        if size < block_bytes:
+            size = 1 << (block_bytes - 1).bit_length()  # the last block: one rounded allocation
+        chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        count = min(size // block_bytes, num_slots - len(rows))
+        rows += list(chunk[: count * block_bytes].view(count, block_bytes).unbind(0))
+        left -= count * block_bytes
+    return rows
