@@ -11,7 +11,7 @@ another host (the hub sends LFS downloads to a CDN).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -53,7 +53,9 @@ def _fail_for(response: httpx.Response, what: str) -> FetchFailed:
 class HubSource:
     endpoint: str
     repo_id: str
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
+    # The network by default; tests pass an in-process transport.
+    transport: httpx.BaseTransport | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         headers = {"User-Agent": "davit-fetch/0.1.0"}
@@ -64,6 +66,7 @@ class HubSource:
             headers=headers,
             timeout=TIMEOUT,
             follow_redirects=True,
+            transport=self.transport,
         )
 
     def close(self) -> None:

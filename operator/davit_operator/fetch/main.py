@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import threading
 import time
@@ -220,6 +221,8 @@ def fetch_s3(args: argparse.Namespace, tracker: Tracker) -> FetchResult:
         entry = DirectoryEntry(args.cache, "s3", location, args.revision)
         total, fetched = _fetch_all(entry, files, source.open, tracker)
         version = source.version()
+        # Partial copies of objects replaced meanwhile are never continued: drop them.
+        shutil.rmtree(entry.partial_directory, ignore_errors=True)
     finally:
         source.close()
     result = FetchResult(

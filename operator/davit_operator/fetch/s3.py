@@ -25,7 +25,15 @@ from davit_operator.fetch.store import Checksum, RemoteFile
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 UNAUTHORIZED_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        # versitygw answers an unknown access key with this code and HTTP 404.
+        "XAdminUserNotFound",
+    }
 )
 MISSING_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "NotFound", "ResourceNotFound"})
 DEFAULT_ENDPOINT = "https://s3.amazonaws.com"
@@ -111,7 +119,7 @@ class S3Source:
             checksum = Checksum("sha256", sha256)
         elif _MD5.match(etag):
             checksum = Checksum("md5", etag)
-        return RemoteFile(file.path, int(stat.size or 0), checksum)
+        return RemoteFile(file.path, int(stat.size or 0), checksum, version=etag or None)
 
     def version(self) -> str:
         """A digest of every listed key and ETag: what this fetch copied."""

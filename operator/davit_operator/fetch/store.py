@@ -57,6 +57,14 @@ class RemoteFile:
     path: str  # relative to the model's root
     size: int
     checksum: Checksum | None
+    # What identifies this content at the source when the checksum may not (an S3 ETag).
+    version: str | None = None
+
+    @property
+    def identity(self) -> str | None:
+        """A short name for this content: its version, else its checksum (None: neither)."""
+        text = self.version or (str(self.checksum) if self.checksum is not None else None)
+        return hashlib.sha256(text.encode()).hexdigest()[:16] if text else None
 
 
 class Opener(Protocol):
@@ -161,9 +169,17 @@ class DirectoryEntry:
     def final_path(self, file: RemoteFile) -> Path:
         return self.directory / _safe_relative(file.path)
 
+    @property
+    def partial_directory(self) -> Path:
+        return self.directory.with_name(self.directory.name + ".partial")
+
     def partial_path(self, file: RemoteFile) -> Path:
-        partial = self.directory.with_name(self.directory.name + ".partial")
-        return partial / _safe_relative(file.path)
+        # Named after the object's version too: an object replaced between two attempts
+        # starts a new partial file instead of continuing the old content with the new.
+        path = _safe_relative(file.path)
+        if file.identity is not None:
+            path = f"{path}.{file.identity}"
+        return self.partial_directory / path
 
     def publish(self, file: RemoteFile) -> None:
         return None
@@ -230,8 +246,9 @@ def fetch_file(entry: Entry, file: RemoteFile, opener: Opener, counter: Counter)
                 offset = 0
                 hasher = file.checksum.hasher(file.size) if file.checksum is not None else None
             with partial.open("r+b" if offset else "wb") as out:
-                out.seek(offset)
-                out.truncate()
+                if offset:
+                    out.seek(offset)
+                    out.truncate()
                 for chunk in chunks:
                     out.write(chunk)
                     if hasher is not None:
