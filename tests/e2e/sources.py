@@ -17,9 +17,11 @@ Both are installed by hack/install.sh into the cache outside the repository.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -95,11 +97,27 @@ def _add_lfs(repo: Path, name: str, content: Path, claimed_oid: str | None = Non
     (repo / name).write_text(pointer)
 
 
+def _restamped(weights: Path, out: Path, revision: str) -> Path:
+    """A copy of a safetensors file with `revision` in its header metadata: the same tensors in
+    a file with another sha256, as a new upload of a model's weights is."""
+    with weights.open("rb") as src, out.open("wb") as dst:
+        (length,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(length))
+        header["__metadata__"] = {**header.get("__metadata__", {}), "revision": revision}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # offsets are relative to the data, which stays aligned
+        dst.write(struct.pack("<Q", len(text)) + text)
+        shutil.copyfileobj(src, dst, 1 << 20)
+    return out
+
+
 @dataclass
 class HubMirror:
     """olah serving REPO_ID offline from a local git mirror. Revisions: `main` (the model),
-    `v2` (the same weights, another generation config: a new commit to roll out to),
-    `corrupt` (tokenizer.json stored with content that does not match its LFS sha256)."""
+    `v2` (a new commit: the weights re-uploaded with other header metadata, so another LFS
+    object of the same size, and another generation config; the tokenizer and config are
+    unchanged), `corrupt` (tokenizer.json stored with content that does not match its LFS
+    sha256)."""
 
     model_dir: Path
     work: Path
@@ -127,8 +145,13 @@ class HubMirror:
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", "SmolLM2-135M-Instruct, converted from the GGUF")
         self.commits["main"] = _git(repo, "rev-parse", "HEAD")
-        # v2: a new commit of the same model (the generation config changes).
+        # v2: a new commit of the same model (new weights file, new generation config).
         _git(repo, "checkout", "-q", "-b", "v2")
+        _add_lfs(
+            repo,
+            "model.safetensors",
+            _restamped(self.model_dir / "model.safetensors", self.work / "model.v2", "v2"),
+        )
         (repo / "generation_config.json").write_text(
             (self.model_dir / "generation_config.json").read_text().replace("{", '{"v": 2,', 1)
         )
