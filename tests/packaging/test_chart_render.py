@@ -294,6 +294,43 @@ def test_extra_args_and_env_reach_the_container(helm: Helm, tmp_path: Path) -> N
     assert {"name": "DAVIT_CATALOG", "value": "/etc/davit/catalog"} in container["env"]
 
 
+def test_model_delivery_values_become_operator_flags(helm: Helm, tmp_path: Path) -> None:
+    """The cache claim, endpoints and fetch settings are chart values; the operator's own
+    parser reads the rendered arguments back."""
+    from davit_operator.cli import _operator_parser
+
+    default = operator_container(helm.template())
+    parsed = _operator_parser().parse_args(default["args"])
+    assert parsed.model_cache is None and parsed.hf_endpoint is None
+    # The fetch Jobs run the image the chart installs, wherever it comes from.
+    assert parsed.fetch_image == default["image"]
+    container = operator_container(
+        helm.template(
+            values={
+                "image": {"repository": "registry.example/davit-operator", "tag": "0.1.0"},
+                "modelDelivery": {
+                    "cacheClaim": "model-cache",
+                    "hfEndpoint": "http://hub-mirror.models.svc:8090",
+                    "s3Endpoint": "https://s3.example:9000",
+                    "maxBytesPerSecond": 200_000_000,
+                },
+            },
+            values_dir=tmp_path,
+        )
+    )
+    parsed = _operator_parser().parse_args(container["args"])
+    assert parsed.model_cache == "model-cache"
+    assert parsed.hf_endpoint == "http://hub-mirror.models.svc:8090"
+    assert parsed.s3_endpoint == "https://s3.example:9000"
+    assert parsed.fetch_max_bytes_per_second == 200_000_000
+    assert parsed.fetch_image == "registry.example/davit-operator:0.1.0" == container["image"]
+    own = operator_container(
+        helm.template("modelDelivery.cacheClaim=emptyDir", "modelDelivery.fetchImage=fetch:1")
+    )
+    parsed = _operator_parser().parse_args(own["args"])
+    assert parsed.model_cache == "emptyDir" and parsed.fetch_image == "fetch:1"
+
+
 def test_include_crds_renders_the_inference_service_crd(helm: Helm) -> None:
     crds = find(helm.template(include_crds=True), "CustomResourceDefinition")
     assert sorted(c["metadata"]["name"] for c in crds) == [

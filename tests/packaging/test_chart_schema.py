@@ -36,6 +36,11 @@ BAD_VALUES = [
     (["securityContext.privileged=true"], "/securityContext/privileged", "false"),
     (["resources.requests.memory=lots"], "/resources/requests/memory", ""),
     (["terminationGracePeriodSeconds=-5"], "/terminationGracePeriodSeconds", "minimum"),
+    (["modelDelivery.cacheClaim=Model_Cache"], "/modelDelivery/cacheClaim", "pattern"),
+    (["modelDelivery.hfEndpoint=hub.local"], "/modelDelivery/hfEndpoint", "pattern"),
+    (["modelDelivery.s3Endpoint=s3://bucket"], "/modelDelivery/s3Endpoint", "pattern"),
+    (["modelDelivery.maxBytesPerSecond=-1"], "/modelDelivery/maxBytesPerSecond", "minimum"),
+    (["modelDelivery.claimName=x"], "claimName", "not allowed"),
 ]
 
 
@@ -74,6 +79,7 @@ def test_service_account_name_required_when_not_created(helm: Helm) -> None:
         ["image.digest=sha256:" + "0" * 64],
         ["resources.requests.cpu=0.5", "resources.limits.memory=1Gi"],
         ["metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=1m30s"],
+        ["modelDelivery.cacheClaim=emptyDir", "modelDelivery.hfEndpoint=https://hub.example"],
     ],
     ids=lambda v: str(v),
 )

@@ -140,6 +140,22 @@ the same ClusterRole or Role as the namespaced rules. */}}
 {{- if .Values.verbose }}
 - --verbose
 {{- end }}
+{{- with .Values.modelDelivery }}
+{{- with .cacheClaim }}
+- {{ printf "--model-cache=%s" . | quote }}
+{{- end }}
+{{- with .hfEndpoint }}
+- {{ printf "--hf-endpoint=%s" . | quote }}
+{{- end }}
+{{- with .s3Endpoint }}
+- {{ printf "--s3-endpoint=%s" . | quote }}
+{{- end }}
+{{- if .maxBytesPerSecond }}
+- --fetch-max-bytes-per-second={{ int64 .maxBytesPerSecond }}
+{{- end }}
+{{- end }}
+{{- /* The fetch Jobs run the operator's own image unless told otherwise. */}}
+- {{ printf "--fetch-image=%s" (.Values.modelDelivery.fetchImage | default (include "davit.image" .)) | quote }}
 {{- range .Values.extraArgs }}
 - {{ . | quote }}
 {{- end }}
