@@ -279,7 +279,7 @@ def test_progress_is_read_from_the_running_fetch(fetching_pod: tuple[Tracker, st
 
 
 def _reconcile(
-    kube: FakeKube, indexes: Indexes, body: dict[str, Any]
+    kube: FakeKube, indexes: Indexes, body: dict[str, Any], *, profile_memory: bool = False
 ) -> tuple[kopf.Patch, list[tuple[str, str, str]]]:
     events: list[tuple[str, str, str]] = []
     patch = kopf.Patch()
@@ -292,6 +292,7 @@ def _reconcile(
                 post_event=lambda _b, t, r, m: events.append((t, r, m)),
                 model_cache="cache",
                 fetch=SETTINGS,
+                profile_memory=profile_memory,
             ),
             body=kopf.Body(body),
             patch=patch,
@@ -328,14 +329,31 @@ def _conditions(patch: kopf.Patch) -> dict[str, dict[str, Any]]:
 
 def test_nothing_starts_before_the_model_is_there() -> None:
     kube = FakeKube()
-    patch, events = _reconcile(kube, _indexes(), _body())
+    patch, events = _reconcile(kube, _indexes(), _body(), profile_memory=True)
     assert kube.kinds() == ["Job"], "no Deployment, no profiling Job before the model"
+    assert kube.applied[0]["metadata"]["name"] == NAME
     conds = _conditions(patch)
     assert (conds["ModelReady"]["status"], conds["ModelReady"]["reason"]) == ("False", "Fetching")
     assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "FetchingModel")
     assert conds["Reconciling"]["reason"] == "FetchingModel"
     assert patch["status"]["model"]["state"] == "Fetching"
     assert ("Normal", "ModelFetch") in [(t, r) for t, r, _ in events]
+
+
+def test_profiling_starts_once_the_model_is_there() -> None:
+    record = {
+        "kind": "ConfigMap",
+        "metadata": {"name": NAME},
+        "data": {"result.json": RESULT.to_json()},
+    }
+    kube = FakeKube(record)
+    _reconcile(kube, _indexes(), _body(), profile_memory=True)
+    (job,) = kube.applied
+    assert job["kind"] == "Job" and job["metadata"]["name"] != NAME  # the profiling Job
+    volume = next(
+        v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-store"
+    )
+    assert volume["persistentVolumeClaim"] == {"claimName": "cache", "readOnly": True}
 
 
 def test_replicas_start_from_the_cache_once_it_is_there() -> None:
