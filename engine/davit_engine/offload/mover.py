@@ -51,6 +51,10 @@ class Mover:
     def staging_bytes(self) -> int:
         return 0
 
+    def can_store(self) -> bool:
+        """Whether a batch of `chunk` blocks can be stored without the host waiting."""
+        return True
+
     def store(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
         """Copy blocks into host slots; returns the event that marks them copied (None: done)."""
         for block_id, slot in zip(block_ids, slots, strict=True):
@@ -87,6 +91,10 @@ class CudaMover(Mover):
     @property
     def staging_bytes(self) -> int:
         return staging_blocks(self.chunk) * self.image.block_bytes
+
+    def can_store(self) -> bool:
+        previous = self._store_done[self._store_turn]
+        return previous is None or previous.query()
 
     def store(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
         done: torch.cuda.Event | None = None

@@ -234,6 +234,13 @@ class KvTiers(LowerTiers):
         self._steps_since_flush = 0
         batch_size = min(self.mover.chunk, self.cpu_blocks) if self.cpu_blocks else self.mover.chunk
         for start in range(0, len(queued), batch_size):
+            rest = queued[start:]
+            if not self.mover.can_store() and not any(b in due for b, _ in rest):
+                # Every staging buffer still drains to the host: the rest waits for the next
+                # flush rather than the host for the copies (nothing of it is due yet).
+                self._queued.update(rest)
+                self._due |= due & self._queued.keys()
+                return
             self._store_batch(queued[start : start + batch_size], due)
 
     def _store_batch(self, items: list[tuple[int, bytes]], due: set[int]) -> None:

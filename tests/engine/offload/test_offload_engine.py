@@ -287,3 +287,17 @@ def test_200_requests_aborted_at_random_while_loading_leave_everything_free(
     assert tiers.is_idle()  # no load, write or pinned host slot left
     core.shutdown()
     assert tiers.pool.num_pinned == 0
+
+
+def test_busy_staging_buffers_defer_stores_until_one_is_due() -> None:
+    core = make_core(gpu_blocks=16, cpu_blocks=32)
+    tiers = tiers_of(core)
+    tiers.mover.can_store = lambda: False  # type: ignore[method-assign]  # every buffer busy
+    run(core, prompt_of(20, 3 * BS + 1), "a", max_tokens=1)
+    for _ in range(10):
+        tiers.flush()
+    assert tiers.num_queued_stores == 3 and tiers.num_cpu_blocks == 0
+    tiers.block_reused(next(iter(tiers._queued)))  # about to hold other tokens: due now
+    tiers.flush()
+    assert tiers.num_queued_stores == 0 and tiers.num_cpu_blocks == 3
+    core.shutdown()
