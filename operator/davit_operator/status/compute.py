@@ -150,7 +150,8 @@ def compute_status(
         ),
         runner=RunnerStatus(name=plan.runner.name, reason=plan.runner.reason),
         memory_plan=plan.memory.to_status() if plan.memory is not None else None,
-        engine=f"{image.engine_type} {image.tag or image.engine_version}",
+        # The release the spec describes, not the image tag (an override's tag is anything).
+        engine=f"{image.engine_type} {image.engine_version}",
         accelerator=plan.placement.summary,
         engine_args=[*plan.invocation.command, *plan.invocation.args],
         desired_replicas=plan.replicas,

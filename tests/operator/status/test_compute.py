@@ -136,3 +136,26 @@ def test_rollout_in_progress_reconciles() -> None:
     assert (
         conds["Reconciling"]["status"] == "True" and conds["Reconciling"]["reason"] == "RollingOut"
     )
+
+
+def test_engine_names_the_release_the_spec_describes() -> None:
+    """status.engine (the ENGINE printer column) is the spec's engine and release, also when
+    engine.image overrides the image with a tag that says something else."""
+    for engine, expected in (
+        ({"type": "vllm", "version": "0.33.0"}, "vllm 0.33.0"),
+        (
+            {"type": "vllm", "version": "0.33.0", "image": "registry.example/vllm:nightly"},
+            "vllm 0.33.0",
+        ),
+        (
+            {"type": "davit", "version": "0.1.0", "image": "registry.example/davit:dev"},
+            "davit 0.1.0",
+        ),
+    ):
+        plan = make_plan("svc", "ns", make_spec(engine=engine), CATALOG)
+        status = _written(
+            compute_status(
+                plan=plan, error=None, deployment=None, old_status={}, generation=1, now=T0
+            )
+        )
+        assert status["engine"] == expected, engine
