@@ -11,6 +11,7 @@ Each app gets its own registry, so several apps can live in one process (tests).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,11 +30,22 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV-cache settings `vllm:cache_config_info` reports (the Gateway API Inference
+    Extension's endpoint pickers read block_size and num_gpu_blocks from it)."""
+
+    block_size: int
+    cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+
 class _EngineStatsCollector(Collector):
     """Exposes the latest `EngineStats` the server fetched from the core."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: CacheConfig | None) -> None:
         self.model_name = model_name
+        self.cache_config = cache_config
         self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
@@ -60,6 +72,8 @@ class _EngineStatsCollector(Collector):
             "Fraction of KV-cache blocks in use (0-1).",
             stats.kv_cache_usage,
         )
+        if self.cache_config is not None:
+            yield _cache_config_info(self.cache_config, stats)
         yield counter(
             "vllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -84,6 +98,22 @@ class _EngineStatsCollector(Collector):
                 stats.num_loading,
             )
             yield from _kv_offload_metrics(self.model_name, stats)
+
+
+def _cache_config_info(config: CacheConfig, stats: EngineStats) -> Metric:
+    """An info gauge (always 1) whose labels carry the cache settings, as upstream's does;
+    num_gpu_blocks is 0 until the model is loaded."""
+    labels = {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(stats.num_total_blocks),
+        "cache_dtype": config.cache_dtype,
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+    }
+    family = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the KV-cache configuration.", labels=list(labels)
+    )
+    family.add_metric(list(labels.values()), 1)
+    return family
 
 
 def _kv_offload_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric]:
@@ -193,9 +223,9 @@ def _spec_decode_metrics(model_name: str, stats: EngineStats) -> Iterator[Metric
 class ServerMetrics:
     """The app's registry and the series the request handlers observe."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: CacheConfig | None = None) -> None:
         self.registry = CollectorRegistry()
-        self._engine = _EngineStatsCollector(model_name)
+        self._engine = _EngineStatsCollector(model_name, cache_config)
         self.registry.register(self._engine)
         labels = ["model_name"]
         self.prompt_tokens = Counter(

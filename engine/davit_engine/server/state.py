@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from davit_engine.config import EngineConfig
 from davit_engine.ipc.request_stream import RequestStream
 from davit_engine.server.errors import OpenAIError
-from davit_engine.server.metrics import ServerMetrics
+from davit_engine.server.metrics import CacheConfig, ServerMetrics
 from davit_engine.server.preparation import PromptPreparer
 from davit_engine.tokenizer import Tokenizer
 from davit_engine.types import EngineRequest, EngineStats, ParamError
@@ -88,7 +88,14 @@ class ServerState:
         self.client = client
         self._tokenizer = tokenizer
         self.model_name = config.model_name
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(
+            self.model_name,
+            CacheConfig(
+                block_size=config.block_size,
+                cache_dtype=config.kv_cache_dtype,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+        )
         self.loaded = False
         self.load_error: str | None = None
         self.draining = False
