@@ -31,7 +31,11 @@ NAMESPACED: set[Permission] = (
     | triples("policy", "poddisruptionbudgets", WORKLOAD)
     | triples("batch", "jobs", WORKLOAD)
     | triples("", "configmaps", {"get", "create", "patch"})
-    | triples("gateway.networking.k8s.io", "httproutes", {"get", "patch"})
+    # spec.autoscaling's HPA; spec.routing's InferencePool and HTTPRoute (the operator's own
+    # HTTPRoutes are watched and applied; a user's canary route is read and patched).
+    | triples("autoscaling", "horizontalpodautoscalers", WORKLOAD)
+    | triples("inference.networking.k8s.io", "inferencepools", WORKLOAD)
+    | triples("gateway.networking.k8s.io", "httproutes", WORKLOAD)
     | triples("", "pods", READ)
     | triples("", "events", {"create", "patch"})
 )
