@@ -99,10 +99,10 @@ def run_demo(example_names: list[str], timeout: float) -> int:
                     "--drift-interval",
                     "2",
                     "--no-memory-profiling",  # fake nodes: no profiling Job can report
-                ],
-                stdout=log,
                     "--model-cache",  # fake nodes: no fetch Job runs, the pods fetch themselves
                     "emptyDir",
+                ],
+                stdout=log,
                 stderr=subprocess.STDOUT,
             )
             _section("kubectl apply: " + ", ".join([*example_names, "(one spec to refuse)"]))
