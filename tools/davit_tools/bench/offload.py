@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = sys.argv[1:]
     if argv[:1] == ["summarize"]:  # the table of a results file (after a run that timed out)
-        rows = [json.loads(line) for line in Path(argv[1]).read_text().splitlines()]
-        summarize([r for r in rows if r["section"] in ("noreuse", "multiturn")])
+        saved = [json.loads(line) for line in Path(argv[1]).read_text().splitlines()]
+        summarize([r for r in saved if r["section"] in ("noreuse", "multiturn")])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="random:llama-3.1-8b")
