@@ -66,6 +66,9 @@ class EngineConfig:
     kv_offloading_backend: str = "native"
     kv_offload_disk_path: str | None = None
     kv_offload_disk_bytes: int | None = None
+    # Ranks (one process and device each) that split every layer's heads and MLP columns;
+    # 1: the whole model in the engine-core process.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.block_size not in engine_defaults.BLOCK_SIZES:
@@ -114,6 +117,31 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config.validate()
         self._validate_offload()
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        flag = "--tensor-parallel-size"
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ParamError(flag, f"must be an integer of at least 1, got {size!r}")
+        if size == 1:
+            return
+        # Both keep per-request state (drafts, offloaded blocks) that only rank 0 would hold.
+        if self.speculative_config is not None:
+            raise ParamError(
+                "--speculative-config",
+                f"speculative decoding is not supported with {flag} {size} yet: drop one of them",
+            )
+        if self.has_kv_offload:
+            offload_flag = (
+                "--kv-offloading-size"
+                if self.kv_offloading_size is not None
+                else "--kv-offload-disk-path"
+            )
+            raise ParamError(
+                offload_flag,
+                f"KV offload is not supported with {flag} {size} yet: drop one of them",
+            )
 
     def _validate_offload(self) -> None:
         size = self.kv_offloading_size

@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 
 from davit_engine.config import EngineConfig
+from davit_engine.layers.parallel import TensorParallel
 from davit_engine.layers.rotary import RotaryEmbedding
 from davit_engine.loader import gguf_file, safetensors_dir
-from davit_engine.loader.random_weights import fill_random
+from davit_engine.loader.random_weights import fill_random, iter_random_weights
 from davit_engine.models.config import ModelConfig
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
+from davit_engine.models.parallel import FLAG as TP_FLAG
+from davit_engine.models.parallel import parallelize, rank_config, shard_weights
 from davit_engine.quant.fp8_linear import install_fp8_projections, quantize_projections
 from davit_engine.quant.kv_scales import calibrate_kv_scales
 from davit_engine.quant.support import (
@@ -57,6 +60,14 @@ class LoadedModel:
     quantization: str = "none"  # "fp8": the decoder projections hold FP8 weights
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
     kv_scale_source: str = "none"  # FP8 KV scales: "calibrated", or "none" without FP8 KV
+    # This process's rank when the model is split over several (None: the whole model here).
+    tensor_parallel: TensorParallel | None = None
+
+    @property
+    def rank_config(self) -> ModelConfig:
+        """The shapes this process holds: `config`, or one rank's heads and MLP columns under
+        tensor parallelism (its KV cache has the rank's KV heads only)."""
+        return self.config if self.tensor_parallel is None else self.model.config
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:
@@ -115,15 +126,24 @@ def resolve_dtype(
 
 
 def build_empty(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, fp8_projections: bool = False
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8_projections: bool = False,
+    tensor_parallel: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The module with uninitialised weights of `dtype` on `device` (no default init cost);
-    with `fp8_projections`, the decoder projections are `Fp8Linear` (for FP8 checkpoints)."""
+    with `fp8_projections`, the decoder projections are `Fp8Linear` (for FP8 checkpoints);
+    with `tensor_parallel`, one rank's part of the model (models/parallel.py)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            if tensor_parallel is None:
+                model = LlamaForCausalLM(config)
+            else:
+                model = LlamaForCausalLM(rank_config(config, tensor_parallel.size))
+                parallelize(model, config, tensor_parallel)
             if fp8_projections:
                 install_fp8_projections(model)
     finally:
@@ -148,7 +168,11 @@ def resolve_quantization(requested: str | None, config: ModelConfig, model: str)
     return "none"
 
 
-def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
+def load_model(
+    config: EngineConfig, device: torch.device, tensor_parallel: TensorParallel | None = None
+) -> LoadedModel:
+    """Load the model on `device`; with `tensor_parallel`, only this rank's part of it (each
+    checkpoint tensor is cut as it is read)."""
     kind = model_kind(config.model)
     weights: Iterable[tuple[str, torch.Tensor]] | None = None
     if kind == "gguf":
@@ -156,6 +180,8 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     else:
         model_config = read_model_config(config.model)
     quantization = resolve_quantization(config.quantization, model_config, config.model)
+    if tensor_parallel is not None:
+        check_tensor_parallel(config, model_config, quantization)
     if quantization == "fp8":
         flag = "--quantization" if config.quantization else "model"
         check_fp8_device(device, flag, f"{config.model}: fp8 quantization")
@@ -164,9 +190,18 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
         check_fp8_device(device, "--kv-cache-dtype", config.kv_cache_dtype)
     dtype = resolve_dtype(config.dtype, kind, model_config, device)
     prequantized = model_config.quantization == "fp8"
-    model = build_empty(model_config, dtype, device, fp8_projections=prequantized)
+    model = build_empty(
+        model_config, dtype, device, fp8_projections=prequantized, tensor_parallel=tensor_parallel
+    )
     with torch.no_grad():
-        if kind == "random":
+        if tensor_parallel is not None:
+            if kind == "random":
+                weights = iter_random_weights(model_config, config.seed, device)
+            elif kind == "safetensors":
+                weights = safetensors_dir.iter_weights(Path(config.model))
+            assert weights is not None
+            model.load_weights(shard_weights(weights, model_config, tensor_parallel), config.model)
+        elif kind == "random":
             fill_random(model, config.seed)
         elif kind == "gguf":
             assert weights is not None
@@ -201,4 +236,20 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
         kv_scale_source=kv_scale_source,
+        tensor_parallel=tensor_parallel,
     )
+
+
+def check_tensor_parallel(
+    config: EngineConfig, model_config: ModelConfig, quantization: str = "none"
+) -> None:
+    """Refuse, naming the flag, what tensor parallelism cannot run: a size that does not divide
+    the model's heads and MLP width, and FP8 weights or KV cache (not split per rank yet)."""
+    rank_config(model_config, config.tensor_parallel_size)
+    if quantization == "fp8" or is_fp8_kv(config.kv_cache_dtype):
+        flag = "--kv-cache-dtype" if is_fp8_kv(config.kv_cache_dtype) else "--quantization"
+        raise ParamError(
+            flag,
+            f"FP8 is not supported with {TP_FLAG} {config.tensor_parallel_size} yet (its scales "
+            f"are not split per rank): use {TP_FLAG} 1 or the model dtype",
+        )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from davit_engine.loader.hf_config import model_config_to_hf
-from davit_engine.models.llama import LlamaForCausalLM
+from davit_engine.models.config import ModelConfig
+from davit_engine.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
 # Scale of the random projections: small enough that 30+ layers keep activations finite in fp16.
 INIT_STD = 0.02
@@ -26,13 +28,41 @@ def fill_random(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name in sorted(params):
-            param = params[name]
-            values = torch.randn(
-                param.shape, generator=generator, device=device, dtype=torch.float32
-            )
-            scale, offset = (0.1, 1.0) if name.endswith("norm.weight") else (INIT_STD, 0.0)
-            values = offset + scale * values
-            param.copy_(values)
+            params[name].copy_(_random_values(name, params[name].shape, generator, device))
+
+
+def _random_values(
+    name: str, shape: torch.Size, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    scale, offset = (0.1, 1.0) if name.endswith("norm.weight") else (INIT_STD, 0.0)
+    return offset + scale * values
+
+
+def iter_random_weights(
+    config: ModelConfig, seed: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `fill_random` gives the whole model of `config`, as a checkpoint stream
+    (Hugging Face names, float32 on `device`, fused parameters split back), one parameter at a
+    time: a tensor-parallel rank cuts its part out of each without holding the whole model."""
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(config)
+    params = dict(whole.named_parameters())  # tied weights appear once, as in fill_random
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name in sorted(params):
+            values = _random_values(name, params[name].shape, generator, device)
+            fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
+            if fused is None:
+                yield name, values
+                continue
+            bounds = whole._shard_bounds(fused)
+            for f, part, shard in STACKED_PARAMS:
+                if f == fused:
+                    yield (
+                        name.replace(f".{fused}.", f".{part}."),
+                        values[bounds[shard] : bounds[shard + 1]],
+                    )
 
 
 def save_hf_directory(model: LlamaForCausalLM, directory: Path) -> None:
