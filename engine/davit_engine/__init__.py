@@ -8,7 +8,7 @@ tokenizes, validates and sends requests through `ipc` to the `engine_core`, whos
 
 A module imports only modules of its own layer or lower ones (imports inside functions count):
 
-Layers (lowest first): types, spec_decode, config, core, layers, kernels, models, quant, shapes, loader, tokenizer, output, memory, runner, offload, engine_flags, isolating_runner, step_pipeline, engine_core, ipc, llm, server, bench
+Layers (lowest first): types, spec_decode, config, core, layers, kernels, models, quant, shapes, loader, tokenizer, output, memory, runner, offload, engine_flags, isolating_runner, rank_workers, step_pipeline, engine_core, ipc, llm, server, bench
 """
 
 __version__ = "0.1.0"

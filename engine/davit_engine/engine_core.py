@@ -19,14 +19,21 @@ from davit_engine.config import EngineConfig
 from davit_engine.core.scheduler import Scheduler
 from davit_engine.engine_flags import load_logits_processors
 from davit_engine.isolating_runner import isolating
-from davit_engine.loader import load_model
+from davit_engine.loader import (
+    check_tensor_parallel,
+    load_model,
+    read_model_config,
+    resolve_quantization,
+)
 from davit_engine.memory.allocator import configure_cuda_allocator
 from davit_engine.offload import PROFILE_OFFLOAD_KEYS, build_tiers, staging_chunk
 from davit_engine.offload.mover import staging_blocks
 from davit_engine.offload.runner import OffloadingRunner
+from davit_engine.rank_workers import ParallelRunner, RankGroup
 from davit_engine.runner.base import ModelRunner
 from davit_engine.runner.capability import check_request
 from davit_engine.runner.select import create_runner, resolve_device, select_runner
+from davit_engine.runner.v1 import RunnerV1
 from davit_engine.step_pipeline import StepPipeline
 from davit_engine.types import (
     EngineRequest,
@@ -69,6 +76,8 @@ class ModelInfo:
     speculative: dict[str, Any] | None = None
     # The KV offload tiers (davit_engine.offload.offload_info), None without them.
     kv_offload: dict[str, Any] | None = None
+    # Ranks the model is split over (--tensor-parallel-size).
+    tensor_parallel_size: int = 1
 
 
 class EngineCore:
@@ -90,8 +99,27 @@ class EngineCore:
         if device.type == "cuda":
             logger.info("CUDA allocator: %s", configure_cuda_allocator())
         kind, reason = select_runner(config, device)
-        loaded = load_model(config, device)
+        self.ranks: RankGroup | None = None
+        if config.tensor_parallel_size > 1:
+            # Refused here, before any worker process starts.
+            model_config = read_model_config(config.model)
+            quantization = resolve_quantization(config.quantization, model_config, config.model)
+            check_tensor_parallel(config, model_config, quantization)
+            self.ranks = RankGroup(config, device)
+        try:
+            self._start(config, device, kind, reason)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _start(self, config: EngineConfig, device: torch.device, kind: str, reason: str) -> None:
+        ranks = self.ranks
+        loaded = load_model(config, device, ranks.tp if ranks is not None else None)
         self.runner: ModelRunner = create_runner(kind, config, loaded, device)
+        if ranks is not None:
+            assert isinstance(self.runner, RunnerV1), "tensor parallelism runs on runner V1"
+            self.runner = ParallelRunner(self.runner, ranks)
         num_blocks = self.runner.determine_num_blocks()
         self.memory_profile: MemoryProfile | None = getattr(self.runner, "memory_profile", None)
         # The offload tiers' GPU staging buffers come out of the KV cache's bytes.
@@ -153,6 +181,7 @@ class EngineCore:
             revision=config.revision,
             speculative=config.speculative_config.to_info() if config.speculative_config else None,
             kv_offload=dict(self.tiers.info) if self.tiers is not None else None,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self._aborted: list[RequestDelta] = []
         logger.info(
@@ -203,8 +232,14 @@ class EngineCore:
                     )
                 )
 
+    def check_health(self) -> None:
+        """Raise RankFailedError (naming the rank) once a tensor-parallel rank has died."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; returns the deltas it produced (aborts first)."""
+        self.check_health()
         if (
             self.tiers is not None
             and not self._aborted

@@ -2,8 +2,10 @@
 
 Each one either works or stops the engine at startup with a ParamError naming the flag and
 saying what to do instead; none is accepted and then ignored:
-- `--tensor-parallel-size`, `--pipeline-parallel-size`, `--data-parallel-size`: 1 works; this
-  engine version runs one GPU per replica (scale out with replicas).
+- `--tensor-parallel-size N`: works (davit_engine.rank_workers; a size that does not divide
+  the model's heads is refused once the model is known).
+- `--pipeline-parallel-size`, `--data-parallel-size`: 1 works; this engine version splits a
+  model over the GPUs of one replica by tensor parallelism only (scale out with replicas).
 - `--enable-expert-parallel`, `--enable-elastic-ep`, `--enable-dbo`: refused (the engine serves
   dense models on one GPU: no experts to place, no second micro-batch stream).
 - `--compilation-config JSON`: parsed; an empty object works, sequence parallelism and any
@@ -41,9 +43,10 @@ def check_parallelism(
     elastic_ep: bool = False,
     dual_batch_overlap: bool = False,
 ) -> None:
-    """Refuse every multi-GPU layout: this engine version runs one GPU per replica."""
+    """Refuse every multi-GPU layout but tensor parallelism."""
+    if tensor < 1:
+        raise ParamError("--tensor-parallel-size", f"must be at least 1, got {tensor}")
     for flag, size in (
-        ("--tensor-parallel-size", tensor),
         ("--pipeline-parallel-size", pipeline),
         ("--data-parallel-size", data),
     ):
@@ -52,8 +55,9 @@ def check_parallelism(
         if size > 1:
             raise ParamError(
                 flag,
-                f"{size} is not supported: this engine version runs one GPU per replica; use "
-                f"{flag} 1 and scale out with replicas (or serve the model with engine type vllm)",
+                f"{size} is not supported: this engine version splits a model over GPUs by "
+                f"--tensor-parallel-size only; use {flag} 1 and scale out with replicas (or "
+                "serve the model with engine type vllm)",
             )
     for flag, on, what in (
         ("--enable-expert-parallel", expert, "expert parallelism"),
@@ -63,8 +67,8 @@ def check_parallelism(
         if on:
             raise ParamError(
                 flag,
-                f"{what} is not supported: this engine version serves dense models on one GPU "
-                "per replica; remove the flag (or serve the model with engine type vllm)",
+                f"{what} is not supported: this engine version serves dense models (no "
+                "experts, one micro-batch stream); remove the flag (or serve the model with engine type vllm)",
             )
 
 
@@ -90,7 +94,7 @@ def check_compilation_config(text: str | None) -> None:
         raise ParamError(
             "--compilation-config",
             "pass_config.enable_sequence_parallelism is not supported: it needs tensor "
-            "parallelism, and this engine version runs one GPU per replica",
+            "parallelism's sequence-parallel pass, which this engine version does not implement",
         )
     unknown = [f"pass_config.{k}" for k in pass_config if k != "enable_sequence_parallelism"]
     unknown += sorted(config)

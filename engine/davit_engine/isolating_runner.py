@@ -12,8 +12,9 @@ exactly what the whole step would have given it.
 This needs a runner whose steps can run again after one raised (`ModelRunner.repeatable_steps`:
 no per-request state carried from step to step). With any other runner a failing step stays
 fatal, as the engine core's contract says, since half-applied state cannot be trusted. Also
-fatal: a step where every one of several requests fails alone (the failure is not any one
-request's), and MAX_FAILED_STEPS steps in a row where nothing ran (a broken device).
+fatal: a `RunnerFailure` (the runner itself is broken), a step where every one of several
+requests fails alone (the failure is not any one request's), and MAX_FAILED_STEPS steps in a
+row where nothing ran (a broken device).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from davit_engine.core.batch import RunnerOutput, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
-from davit_engine.runner.base import ModelRunner, PendingOutput
+from davit_engine.runner.base import ModelRunner, PendingOutput, RunnerFailure
 from davit_engine.types import FinishReason, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ class IsolatingRunner(ModelRunner):
         try:
             output = self.runner.execute(batch)
         except Exception as exc:
-            if not batch.scheduled or not self.runner.repeatable_steps:
+            if (
+                not batch.scheduled
+                or not self.runner.repeatable_steps
+                or isinstance(exc, RunnerFailure)
+            ):
                 raise
             return self._isolate(batch, exc)
         self._failed_steps = 0

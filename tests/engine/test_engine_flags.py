@@ -50,14 +50,21 @@ def test_defaults_and_size_one_work() -> None:
     assert config.model == "random:qwen3-tiny"  # a random shape: the revision is informational
     no_async, _, _ = parse_args(["random:qwen3-tiny", "--no-async-scheduling"])
     assert not no_async.async_scheduling
+    assert config.tensor_parallel_size == 1
+
+
+def test_tensor_parallel_size_reaches_the_engine_config() -> None:
+    """Whether a size divides the model's heads is checked when the model is known
+    (tests/engine/test_tensor_parallel.py); the parser passes it on."""
+    config, _, _ = parse_args(["random:qwen3-tiny", "--tensor-parallel-size", "2"])
+    assert config.tensor_parallel_size == 2
 
 
 @pytest.mark.parametrize(
     ("argv", "flag", "words"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size", "one GPU per replica"),
-        (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size", "one GPU per replica"),
-        (["--data-parallel-size", "2"], "--data-parallel-size", "one GPU per replica"),
+        (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size", "--tensor-parallel-size"),
+        (["--data-parallel-size", "2"], "--data-parallel-size", "scale out with replicas"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size", "at least 1"),
         (["--enable-expert-parallel"], "--enable-expert-parallel", "expert parallelism"),
         (["--enable-elastic-ep"], "--enable-elastic-ep", "elastic expert"),

@@ -85,7 +85,9 @@ class AsyncEngineClient:
             target=run_engine_core,
             args=(self.config, self.core_factory, self._inputs, writer_end, os.getpid()),
             name="davit-engine-core",
-            daemon=True,
+            # A daemonic process may not start processes: the tensor-parallel ranks' core is
+            # not one (shutdown() still stops it).
+            daemon=self.config.tensor_parallel_size == 1,
         )
         self._process.start()
         # The child holds the only write end now; closing ours lets a read see EOF on its death.

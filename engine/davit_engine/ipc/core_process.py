@@ -129,6 +129,9 @@ class CoreLoop:
         self.outputs = outputs
         self.parent_pid = parent_pid
         self.running = True
+        # Optional on a core: raises once the core can no longer run steps (EngineCore: a
+        # tensor-parallel rank died), checked every turn of the loop, idle turns included.
+        self.check_health: Callable[[], None] | None = getattr(core, "check_health", None)
 
     def send(self, message: OutputMessage) -> None:
         self.outputs.send(message)
@@ -139,6 +142,8 @@ class CoreLoop:
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process is gone, exiting")
                 return
+            if self.check_health is not None:
+                self.check_health()
             busy = self.core.has_unfinished_requests()
             messages = self._receive(block=not busy)
             for message in messages:

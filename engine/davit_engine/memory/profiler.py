@@ -28,6 +28,7 @@ reset through `/proc/self/clear_refs` where the kernel allows it, and the KV cac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -146,6 +147,23 @@ def size_kv_cache(
     profile = MemoryProfile(identity=_identity(runner, max_model_len), memory=breakdown)
     logger.info("memory profile: %s", profile.to_json())
     return profile
+
+
+def with_num_blocks(profile: MemoryProfile, num_blocks: int) -> MemoryProfile:
+    """`profile` holding `num_blocks` KV blocks (fewer than it measured room for): what a
+    tensor-parallel rank keeps when another rank had room for fewer."""
+    memory = profile.memory
+    capacity = num_blocks * profile.identity.block_size
+    return dataclasses.replace(
+        profile,
+        memory=dataclasses.replace(
+            memory,
+            kv_cache_bytes=num_blocks * memory.block_bytes,
+            num_blocks=num_blocks,
+            token_capacity=capacity,
+            max_concurrency=round(capacity / profile.identity.max_model_len, 3),
+        ),
+    )
 
 
 def _gib(n: int) -> str:
@@ -347,7 +365,7 @@ def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
         driver_version=_driver_version() if is_cuda else "",
         cuda_version=(torch.version.cuda or "") if is_cuda else "",
         runner=runner.name,
-        tensor_parallel_size=1,
+        tensor_parallel_size=config.tensor_parallel_size,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

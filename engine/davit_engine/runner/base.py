@@ -8,6 +8,11 @@ from typing import ClassVar, Protocol
 from davit_engine.core.batch import RunnerOutput, SchedulerOutput
 
 
+class RunnerFailure(RuntimeError):
+    """The runner cannot run any step any more (a tensor-parallel rank died, ...): fatal for
+    the engine core, never one request's failure to isolate."""
+
+
 class PendingOutput(Protocol):
     """A launched step; `result()` waits for its sampled tokens."""
 

@@ -86,7 +86,8 @@ class PagedKvRunner(ModelRunner):
         self.config = config
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
-        self.model_config: ModelConfig = loaded.config
+        # One rank's heads under tensor parallelism: the KV cache holds those only.
+        self.model_config: ModelConfig = loaded.rank_config
         self.device = device
         self.dtype = loaded.dtype
         self.kv_dtype = loaded.kv_storage_dtype  # the model dtype, or FP8 (--kv-cache-dtype)

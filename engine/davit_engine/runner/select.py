@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
+    """The engine core's device; under tensor parallelism rank 0's (rank r uses cuda:r)."""
+    if config.tensor_parallel_size > 1:
+        return _tensor_parallel_device(config)
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
@@ -29,6 +32,26 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ParamError("--device", f"{config.device} was requested but no CUDA device is visible")
     return torch.device(config.device)
+
+
+def _tensor_parallel_device(config: EngineConfig) -> torch.device:
+    size = config.tensor_parallel_size
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if config.device not in ("auto", "cuda"):
+        raise ParamError(
+            "--device",
+            f"must be auto, cpu or cuda with --tensor-parallel-size {size} (rank r runs on "
+            f"cuda:r), got {config.device!r}",
+        )
+    if not torch.cuda.is_available():
+        raise ParamError("--device", "cuda was requested but no CUDA device is visible")
+    if torch.cuda.device_count() < size:
+        raise ParamError(
+            "--tensor-parallel-size",
+            f"{size} ranks need {size} GPUs; {torch.cuda.device_count()} are visible",
+        )
+    return torch.device("cuda:0")
 
 
 def _v2_available() -> bool:
@@ -50,6 +73,15 @@ def select_runner(config: EngineConfig, device: torch.device) -> tuple[str, str]
         _check_speculation(config, device, v1_only)
     if config.runner == "v1":
         return "v1", "requested with --runner v1"
+    tp = config.tensor_parallel_size
+    if tp > 1 and config.runner in ("v2", "auto"):
+        if config.runner == "v2":
+            raise ParamError(
+                "--runner",
+                f"runner V2 does not support --tensor-parallel-size {tp} yet: use --runner v1 "
+                "or auto",
+            )
+        return "v1", f"--tensor-parallel-size {tp} runs on runner V1"
     if config.runner == "v2":
         if device.type != "cuda":
             raise ParamError(

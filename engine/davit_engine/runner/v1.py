@@ -4,6 +4,10 @@ The simple, portable path: it runs on the CPU and on CUDA, and it runs features 
 refuses (custom logits processors). Each `execute()` builds the flat token batch from the
 scheduler's plain data, runs one forward over all scheduled tokens (prefill chunks and decodes
 mixed), computes logits only for rows that sample, and samples.
+
+Under tensor parallelism every rank holds a runner V1 over its part of the model: rank 0's
+`execute()` also sends each step's inputs to the others (runner/step_channel.py), whose
+`follow()` loop runs the same forward; rank 0 alone samples.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOut
 from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from davit_engine.layers.cpu_linear import can_prepack, prepack_linears
 from davit_engine.loader import LoadedModel
-from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache
+from davit_engine.memory.profiler import CPU_KV_CAP_BYTES, size_kv_cache, with_num_blocks
 from davit_engine.runner.paged_kv import PagedKvRunner, allocate_kv_caches
 from davit_engine.runner.sampler import Sampler
+from davit_engine.runner.step_channel import Command, StepChannel, StepInputs
 from davit_engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -43,13 +48,23 @@ class RunnerV1(PagedKvRunner):
         self.sampler = Sampler(loaded.config.eos_token_ids)
         # Tokens run through the model so far (prefix-cache hits are not among them).
         self.num_computed_tokens_total = 0
+        self.tensor_parallel = loaded.tensor_parallel
+        self.channel: StepChannel | None = None
+        if self.tensor_parallel is not None:
+            self.channel = StepChannel(self.tensor_parallel, device, self.backend)
 
     # ---- KV cache sizing ----------------------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
         """Measured by `davit_engine.memory` (RSS on the CPU); the profile is kept."""
         self.memory_profile = size_kv_cache(self, self._dummy_prefill, self._probe_sampler)
-        return self.memory_profile.memory.num_blocks
+        num_blocks = self.memory_profile.memory.num_blocks
+        if self.tensor_parallel is not None:
+            # Every rank sized its own memory; all of them hold the same number of blocks.
+            num_blocks = self.tensor_parallel.min_over_ranks(num_blocks)
+            if num_blocks != self.memory_profile.memory.num_blocks:
+                self.memory_profile = with_num_blocks(self.memory_profile, num_blocks)
+        return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model_config
@@ -76,6 +91,10 @@ class RunnerV1(PagedKvRunner):
             raise RuntimeError("initialize_kv_cache() must run before execute()")
         input_ids, positions, meta, sample_rows = self._prepare_inputs(scheduled)
         with torch.inference_mode():
+            if self.channel is not None:
+                last = meta.query_start_loc[1:].to(torch.int64) - 1
+                index = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+                self.channel.send_step(StepInputs(input_ids, positions, meta, index))
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
             sampled: list[int | None] = [None] * len(scheduled)
             logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
@@ -95,6 +114,24 @@ class RunnerV1(PagedKvRunner):
         return RunnerOutput(
             sampled_token_ids=sampled, logprobs=logprobs if wants_logprobs else None
         )
+
+    def follow(self) -> None:
+        """A follower rank's loop (tensor parallelism, ranks above 0): allocate the KV cache
+        and run the steps rank 0 sends, until it sends SHUTDOWN."""
+        assert self.channel is not None, "follow() is for tensor-parallel ranks"
+        while True:
+            command, argument, step = self.channel.receive()
+            if command == Command.SHUTDOWN:
+                return
+            if command == Command.INIT_KV_CACHE:
+                self.initialize_kv_cache(argument)
+                continue
+            assert step is not None
+            with torch.inference_mode():
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+                if step.logits_index.numel():
+                    self.model.compute_logits(hidden[step.logits_index])  # sent to rank 0
+            self.num_computed_tokens_total += int(step.input_ids.shape[0])
 
     def _prepare_inputs(
         self, scheduled: list[ScheduledRequest]

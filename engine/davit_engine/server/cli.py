@@ -294,6 +294,7 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offload_disk_path=args.kv_offload_disk_path,
         kv_offload_disk_bytes=args.kv_offload_disk_bytes,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     try:
         config.validate()

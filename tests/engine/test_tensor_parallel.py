@@ -1,0 +1,156 @@
+"""Tensor parallelism on the CPU: ranks are processes joined by gloo, fp32.
+
+Greedy output with the model split over ranks must equal the whole model's token for token
+(random Llama and Qwen3 shapes at 2 ranks; the real SmolLM2-135M at 3 ranks, since its 9
+attention heads and 3 KV heads refuse 2). A rank that dies ends the engine with an error naming
+it: offline the next (or current) step raises, and `davit serve` reports it on /health.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from davit_engine.llm import LLM
+from davit_engine.rank_workers import RankFailedError
+from davit_engine.types import ParamError, SamplingParams
+from tests.engine.server.harness import ServeProcess
+
+# A small token budget so prompts are prefilled in chunks over several steps, and a prompt
+# repeated after its first run so the prefix cache serves part of it.
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "device": "cpu",
+    "max_num_batched_tokens": 16,
+    "max_num_seqs": 4,
+    "max_model_len": 256,
+}
+PROMPTS = [
+    [1, 5, 9, 33, 200, 7, 8, 100, 101, 102, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26],
+    [3, 4, 99],
+    [300, 301, 302, 303, 304] * 7,
+    [1, 5, 9, 33, 200, 7, 8, 100, 101, 102, 17, 18, 19, 20, 21, 22, 23, 24, 40, 41, 42],
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def _greedy(model: str, size: int, prompts: list[Any], **args: Any) -> list[list[int]]:
+    llm = LLM(model, tensor_parallel_size=size, **{**ENGINE_ARGS, **args})
+    try:
+        if size > 1:
+            info = llm.core.model_info
+            assert info.tensor_parallel_size == size
+            assert info.memory_profile is not None
+            assert info.memory_profile["identity"]["tensor_parallel_size"] == size
+        if isinstance(prompts[0], str):
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], GREEDY)
+        else:
+            outputs = llm.generate(prompts[:3], GREEDY) + llm.generate(prompts[3:], GREEDY)
+        return [o.token_ids for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "qwen3-tiny"])
+def test_two_ranks_match_one_token_for_token(shape: str) -> None:
+    model = f"random:{shape}"
+    whole = _greedy(model, 1, PROMPTS, tokenizer="byte")
+    split = _greedy(model, 2, PROMPTS, tokenizer="byte")
+    assert split == whole
+    assert len({tuple(t) for t in whole}) > 1  # not one degenerate answer for every prompt
+
+
+@pytest.mark.slow
+def test_smollm2_three_ranks_match_one_token_for_token(smollm2_gguf: Path) -> None:
+    questions = ["What is the capital of France?", "Write a haiku about the sea."]
+    whole = _greedy(str(smollm2_gguf), 1, questions)
+    split = _greedy(str(smollm2_gguf), 3, questions)
+    assert split == whole
+    assert len(whole[1]) == GREEDY.max_tokens  # the haiku runs past the budget, no early EOS
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "flag", "words"),
+    [
+        ("random:qwen2-tiny", {}, "--tensor-parallel-size", "1 KV heads"),
+        ("random:qwen3-tiny", {"runner": "v2"}, "--runner", "does not support"),
+        ("random:qwen3-tiny", {"kv_offloading_size": 1.0}, "--kv-offloading-size", "KV offload"),
+        ("random:qwen3-tiny", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype", "FP8"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_by_flag(
+    model: str, args: dict[str, Any], flag: str, words: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(ParamError) as info:
+        LLM(model, tensor_parallel_size=2, tokenizer="byte", **{**ENGINE_ARGS, **args})
+    assert info.value.param == flag
+    assert words in info.value.message
+    assert time.monotonic() - started < 10  # refused before any rank process starts
+
+
+def test_a_killed_rank_ends_the_engine_naming_it() -> None:
+    llm = LLM("random:qwen3-tiny", tensor_parallel_size=2, tokenizer="byte", **ENGINE_ARGS)
+    try:
+        assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+        ranks = llm.core.ranks
+        assert ranks is not None
+        pid = ranks.workers[1].pid
+        assert pid is not None
+        # Killed while a long generation runs: the step in flight fails.
+        timer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        timer.start()
+        long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match=rf"tensor-parallel rank 1 \(pid {pid}\)"):
+            llm.generate([[1, 2, 3]] * 4, long)
+        assert time.monotonic() - started < 30
+        # And every later step, without waiting on the dead rank.
+        with pytest.raises(RankFailedError, match="was killed by SIGKILL"):
+            llm.generate([[4, 5, 6]], GREEDY)
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_that_dies_while_the_server_idles_takes_the_engine_down(tmp_path: Path) -> None:
+    server = ServeProcess(
+        ["random:qwen3-tiny", "--tokenizer", "byte", "--device", "cpu", "--dtype", "float32"]
+        + ["--tensor-parallel-size", "2", "--max-model-len", "256", "--max-num-batched-tokens"]
+        + ["64"],
+        tmp_path / "serve.log",
+    )
+    try:
+        server.wait_ready(240)
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": "random:qwen3-tiny", "prompt": "abc", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        found = re.search(r"rank 1 pid (\d+)", server.log())
+        assert found, server.log()
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        health = httpx.get(f"{server.base_url}/health", timeout=5)
+        while health.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            health = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert health.status_code == 503, server.log()
+        assert "tensor-parallel rank 1" in health.text
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": "random:qwen3-tiny", "prompt": "abc", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 503
+        assert "tensor-parallel rank 1" in reply.text
+    finally:
+        server.terminate()
