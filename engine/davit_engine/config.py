@@ -18,6 +18,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # --kv-offloading-backend values: upstream also names "lmcache" (an external server).
 KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
+# Tensor-parallel ranks are processes of one pod, so of one host: at most its GPUs.
+MAX_TENSOR_PARALLEL_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,16 @@ class EngineConfig:
     def _validate_tensor_parallel(self) -> None:
         flag = "--tensor-parallel-size"
         size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ParamError(flag, f"must be an integer of at least 1, got {size!r}")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE
+        ):
+            raise ParamError(
+                flag,
+                f"must be an integer between 1 and {MAX_TENSOR_PARALLEL_SIZE} (the GPUs of one "
+                f"host: the ranks are processes of one pod), got {size!r}",
+            )
         if size == 1:
             return
         # Both keep per-request state (drafts, offloaded blocks) that only rank 0 would hold.

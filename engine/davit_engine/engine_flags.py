@@ -2,8 +2,8 @@
 
 Each one either works or stops the engine at startup with a ParamError naming the flag and
 saying what to do instead; none is accepted and then ignored:
-- `--tensor-parallel-size N`: works (davit_engine.rank_workers; a size that does not divide
-  the model's heads is refused once the model is known).
+- `--tensor-parallel-size N`: 1 to 8 work (davit_engine.rank_workers; a size that does not
+  divide the model's heads is refused once the model is known).
 - `--pipeline-parallel-size`, `--data-parallel-size`: 1 works; this engine version splits a
   model over the GPUs of one replica by tensor parallelism only (scale out with replicas).
 - `--enable-expert-parallel`, `--enable-elastic-ep`, `--enable-dbo`: refused (the engine serves
@@ -26,6 +26,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from davit_engine.config import MAX_TENSOR_PARALLEL_SIZE
 from davit_engine.spec_decode.config import (
     FLAG,
     SPECULATIVE_METHODS,
@@ -43,9 +44,14 @@ def check_parallelism(
     elastic_ep: bool = False,
     dual_batch_overlap: bool = False,
 ) -> None:
-    """Refuse every multi-GPU layout but tensor parallelism."""
-    if tensor < 1:
-        raise ParamError("--tensor-parallel-size", f"must be at least 1, got {tensor}")
+    """Refuse every multi-GPU layout but tensor parallelism of at most
+    MAX_TENSOR_PARALLEL_SIZE ranks."""
+    if not 1 <= tensor <= MAX_TENSOR_PARALLEL_SIZE:
+        raise ParamError(
+            "--tensor-parallel-size",
+            f"must be between 1 and {MAX_TENSOR_PARALLEL_SIZE} (the GPUs of one host: the ranks "
+            f"are processes of one pod), got {tensor}",
+        )
     for flag, size in (
         ("--pipeline-parallel-size", pipeline),
         ("--data-parallel-size", data),

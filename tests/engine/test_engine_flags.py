@@ -65,7 +65,8 @@ def test_tensor_parallel_size_reaches_the_engine_config() -> None:
     [
         (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size", "--tensor-parallel-size"),
         (["--data-parallel-size", "2"], "--data-parallel-size", "scale out with replicas"),
-        (["--tensor-parallel-size", "0"], "--tensor-parallel-size", "at least 1"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size", "between 1 and 8"),
+        (["--tensor-parallel-size", "9"], "--tensor-parallel-size", "one host"),
         (["--enable-expert-parallel"], "--enable-expert-parallel", "expert parallelism"),
         (["--enable-elastic-ep"], "--enable-elastic-ep", "elastic expert"),
         (["--enable-dbo"], "--enable-dbo", "dual-batch overlap"),
