@@ -68,6 +68,12 @@ def test_two_ranks_match_one_token_for_token(shape: str) -> None:
     assert len({tuple(t) for t in whole}) > 1  # not one degenerate answer for every prompt
 
 
+def test_a_safetensors_directory_is_cut_per_rank_as_it_loads(qwen3_tiny_dir: Path) -> None:
+    whole = _greedy(str(qwen3_tiny_dir), 1, PROMPTS, tokenizer="byte")
+    split = _greedy(str(qwen3_tiny_dir), 2, PROMPTS, tokenizer="byte")
+    assert split == whole
+
+
 @pytest.mark.slow
 def test_smollm2_three_ranks_match_one_token_for_token(smollm2_gguf: Path) -> None:
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
