@@ -126,37 +126,76 @@ def test_a_killed_rank_ends_the_engine_naming_it() -> None:
         llm.shutdown()
 
 
-def test_a_rank_that_dies_while_the_server_idles_takes_the_engine_down(tmp_path: Path) -> None:
+def _serve_two_ranks(log: Path) -> tuple[ServeProcess, int]:
+    """`davit serve` over 2 ranks, ready and answering; (the server, rank 1's pid)."""
     server = ServeProcess(
         ["random:qwen3-tiny", "--tokenizer", "byte", "--device", "cpu", "--dtype", "float32"]
         + ["--tensor-parallel-size", "2", "--max-model-len", "256", "--max-num-batched-tokens"]
         + ["64"],
-        tmp_path / "serve.log",
+        log,
     )
     try:
         server.wait_ready(240)
-        reply = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json={"model": "random:qwen3-tiny", "prompt": "abc", "max_tokens": 4},
-            timeout=60,
-        )
-        assert reply.status_code == 200, reply.text
-        found = re.search(r"rank 1 pid (\d+)", server.log())
+        assert _complete(server).status_code == 200
+        server.log()  # flushes the log file
+        found = re.search(r"rank 1 pid (\d+)", server.log_path.read_text(errors="replace"))
         assert found, server.log()
-        os.kill(int(found.group(1)), signal.SIGKILL)
-        deadline = time.monotonic() + 30
+    except BaseException:
+        server.terminate()
+        raise
+    return server, int(found.group(1))
+
+
+def _complete(server: ServeProcess) -> httpx.Response:
+    return httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "random:qwen3-tiny", "prompt": "abc", "max_tokens": 4},
+        timeout=60,
+    )
+
+
+def _wait_unhealthy(server: ServeProcess, timeout_s: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    health = httpx.get(f"{server.base_url}/health", timeout=5)
+    while health.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
         health = httpx.get(f"{server.base_url}/health", timeout=5)
-        while health.status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            health = httpx.get(f"{server.base_url}/health", timeout=5)
+    return health
+
+
+def test_a_rank_that_dies_while_the_server_idles_takes_the_engine_down(tmp_path: Path) -> None:
+    server, rank1 = _serve_two_ranks(tmp_path / "serve.log")
+    try:
+        os.kill(rank1, signal.SIGKILL)
+        health = _wait_unhealthy(server, 30)
         assert health.status_code == 503, server.log()
-        assert "tensor-parallel rank 1" in health.text
-        reply = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json={"model": "random:qwen3-tiny", "prompt": "abc", "max_tokens": 4},
-            timeout=60,
-        )
+        assert f"tensor-parallel rank 1 (pid {rank1}) was killed by SIGKILL" in health.text
+        reply = _complete(server)
         assert reply.status_code == 503
         assert "tensor-parallel rank 1" in reply.text
+    finally:
+        server.terminate()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, Z, ...); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def test_the_ranks_leave_with_the_engine_core(tmp_path: Path) -> None:
+    """Rank 0 (the engine-core process) killed: the other ranks exit, none is left behind."""
+    server, rank1 = _serve_two_ranks(tmp_path / "serve.log")
+    try:
+        core = int(Path(f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(core, signal.SIGKILL)
+        assert _wait_unhealthy(server, 30).status_code == 503, server.log()
+        deadline = time.monotonic() + 30
+        # An exited rank may stay a zombie until the process that adopted it reaps it.
+        while _state(rank1) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _state(rank1) in ("", "Z"), server.log()
     finally:
         server.terminate()
