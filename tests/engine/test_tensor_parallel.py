@@ -111,13 +111,15 @@ def test_a_killed_rank_ends_the_engine_naming_it() -> None:
         assert ranks is not None
         pid = ranks.workers[1].pid
         assert pid is not None
-        # Killed while a long generation runs: the step in flight fails.
+        # Killed while generations run (up to the 256-token context each): the step in flight,
+        # or the next one, fails.
         timer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
         timer.start()
         long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
         started = time.monotonic()
         with pytest.raises(RankFailedError, match=rf"tensor-parallel rank 1 \(pid {pid}\)"):
-            llm.generate([[1, 2, 3]] * 4, long)
+            while time.monotonic() - started < 60:
+                llm.generate([[1, 2, 3]] * 4, long)
         assert time.monotonic() - started < 30
         # And every later step, without waiting on the dead rank.
         with pytest.raises(RankFailedError, match="was killed by SIGKILL"):
