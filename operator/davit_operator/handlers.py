@@ -2,7 +2,8 @@
 
 Every trigger (create, update, resume, and the periodic drift timer) runs the same level-based
 `reconcile.reconciler.reconcile`. Indexes over the operator's Deployments, Services,
-PodDisruptionBudgets and the cluster's Nodes give it live state without API requests.
+PodDisruptionBudgets, HorizontalPodAutoscalers, InferencePools and HTTPRoutes and the cluster's
+Nodes give it live state without API requests.
 """
 
 from __future__ import annotations
@@ -131,6 +132,46 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     ) -> dict[ObjectKey, KubeObject] | None:
         return _by_owner(namespace, labels, body)
 
+    @kopf.index(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        labels=CHILD_LABELS,
+        registry=registry,
+        id="hpa_index",
+    )
+    def hpa_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
+
+    # The routing kinds come from optional CRDs: kopf watches them once they are installed.
+    @kopf.index(
+        "inference.networking.k8s.io",
+        "v1",
+        "inferencepools",
+        labels=CHILD_LABELS,
+        registry=registry,
+        id="pool_index",
+    )
+    def pool_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
+
+    @kopf.index(
+        "gateway.networking.k8s.io",
+        "v1",
+        "httproutes",
+        labels=CHILD_LABELS,
+        registry=registry,
+        id="route_index",
+    )
+    def route_index(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[ObjectKey, KubeObject] | None:
+        return _by_owner(namespace, labels, body)
+
     @kopf.index("v1", "nodes", registry=registry, id="node_index")
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
         return {name: node_facts(name, body)}
@@ -148,6 +189,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
                 services=kw["service_index"],
                 budgets=kw["pdb_index"],
                 nodes=kw["node_index"],
+                autoscalers=kw["hpa_index"],
+                pools=kw["pool_index"],
+                routes=kw["route_index"],
             ),
             # kopf gives each object its own memo (dropped with the object).
             memo=memo.setdefault("reconcile", ObjectMemo()),

@@ -34,6 +34,8 @@ KIND_PATHS: dict[str, tuple[str, str]] = {
     "Job": ("/apis/batch/v1", "jobs"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from davit_operator.api.crdgen import default_crd_path
 from tests.operator.isvc_cluster import OperatorProcess
+from tests.support import unavailable
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster
@@ -81,3 +82,27 @@ def start_operator(
             )
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_crd_files() -> list[Path]:
+    """The pinned Gateway API and Inference Extension CRD files (fetched into the cache from
+    their Go modules when missing)."""
+    from davit_tools.devcluster.gateway import GatewayCrdError, crd_files
+
+    try:
+        return crd_files()
+    except GatewayCrdError as err:
+        unavailable(f"the Gateway API CRDs: {err}")
+
+
+def install_gateway_crds(cluster: LocalCluster, files: list[Path]) -> None:
+    """Apply the CRD files and wait until the API server serves them."""
+    for path in files:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    # Files are named GROUP_PLURAL.yaml; the CRDs PLURAL.GROUP.
+    names = []
+    for path in files:
+        group, plural = path.name.removesuffix(".yaml").split("_", 1)
+        names.append(f"crd/{plural}.{group}")
+    cluster.kubectl("wait", "--for=condition=Established", *names)

@@ -45,6 +45,15 @@ ROOT_VALIDATIONS = [
     }
 ]
 
+# `kubectl scale` and any autoscaler (the HPA of spec.autoscaling, KEDA) work on the service
+# itself: the operator splits the count between the rollout's tracks and reports every engine
+# pod in status.replicas and their selector in status.selector.
+SCALE_SUBRESOURCE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+
 PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
     {"name": "Engine", "type": "string", "jsonPath": ".status.engine"},
@@ -129,8 +138,9 @@ def build_crd() -> dict[str, Any]:
         "description": (
             "InferenceService serves one model with the Davit engine or upstream vLLM: the "
             "operator resolves the image for the accelerator, selects the model runner and "
-            "manages a Deployment, a Service and (for more than one replica) a "
-            "PodDisruptionBudget."
+            "manages a Deployment, a Service, (for more than one replica) a "
+            "PodDisruptionBudget and, when asked, a HorizontalPodAutoscaler on its scale "
+            "subresource and an InferencePool (with an HTTPRoute) for Gateway API routing."
         ),
         "required": ["spec"],
         "properties": {
@@ -166,7 +176,7 @@ def build_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": root},
                 }

@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from davit_operator.api.autoscaling import AutoscalingSpec
 from davit_operator.api.rollout import RolloutSpec
+from davit_operator.api.routing import RoutingSpec
 from davit_operator.api.schema import CrdModel, Quantity, cel_rule, object_default
 
 EngineType = Literal["davit", "vllm"]
@@ -957,7 +959,26 @@ class InferenceServiceSpec(CrdModel):
         json_schema_extra={"default": object_default(LimitsSpec)},
         description="Memory and scheduling limits passed to the engine.",
     )
-    replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods (replicas).")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Engine pods (replicas), also set through the scale subresource (kubectl "
+        "scale). With autoscaling, the starting point only: the autoscaler's writes through "
+        "the scale subresource move the count, and a re-applied manifest does not reset it.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Scale with the engines' load: the operator owns a HorizontalPodAutoscaler "
+        "(autoscaling/v2) on this service's scale subresource, fed Pods metrics from "
+        "custom.metrics.k8s.io; off when unset.",
+    )
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec,
+        json_schema_extra={"default": object_default(RoutingSpec)},
+        description="Gateway API routing: an InferencePool (and HTTPRoute) in front of the "
+        "engines.",
+    )
     pod: PodSpecOverrides = Field(
         default_factory=PodSpecOverrides,
         json_schema_extra={"default": object_default(PodSpecOverrides)},

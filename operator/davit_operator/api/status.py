@@ -150,12 +150,25 @@ class InferenceServiceStatus(CrdModel):
         default_factory=list,
         description="Effective engine command line: the command followed by its arguments.",
     )
-    desired_replicas: int | None = Field(default=None, description="spec.replicas observed.")
+    desired_replicas: int | None = Field(
+        default=None,
+        description="Replicas the operator runs: spec.replicas, or with spec.autoscaling the "
+        "count last set through the scale subresource (kept when a re-apply resets "
+        "spec.replicas).",
+    )
     ready_replicas: int | None = Field(default=None, description="Replicas passing readiness.")
     updated_replicas: int | None = Field(
         default=None, description="Replicas running the current pod template."
     )
     replica_summary: str | None = Field(default=None, description="READY/DESIRED (printer column).")
+    replicas: int | None = Field(
+        default=None,
+        description="Engine pods of every rollout track (the scale subresource's status).",
+    )
+    selector: str | None = Field(
+        default=None,
+        description="Label selector of every engine pod (the scale subresource's selector).",
+    )
     url: str | None = Field(
         default=None, description="In-cluster base URL of the OpenAI-compatible API."
     )

@@ -25,8 +25,13 @@ from davit_operator.reconcile.memo import (
     RecentDelete,
 )
 from davit_operator.reconcile.plan import Planned, Subject, child_rejected
+from davit_operator.reconcile.replicas import observed_replicas
 from davit_operator.reconcile.runtime import Runtime
 from davit_operator.rollout.controller import apply_rollout_effects
+
+# Children that come and go with the spec: a PodDisruptionBudget for more than one replica, the
+# autoscaler of spec.autoscaling, the InferencePool and HTTPRoute of spec.routing.
+OPTIONAL_KINDS = ("PodDisruptionBudget", "HorizontalPodAutoscaler", "InferencePool", "HTTPRoute")
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,12 @@ class Applied:
 @dataclass(frozen=True)
 class Outcome:
     """What the report describes: the plan as it stands after the writes (a child the API
-    server refused turns it into a refusal) and the live stable Deployment."""
+    server refused turns it into a refusal), the live stable Deployment, and the engine pods
+    of every track as the watch last saw them."""
 
     planned: Planned
     deployment: KubeObject | None
+    replicas: int = 0
 
 
 def _hash_of(obj: KubeObject | None) -> str | None:
@@ -64,7 +71,7 @@ async def apply_children(
     memo: ObjectMemo,
 ) -> Applied:
     """Apply what differs among `desired` (the children of the InferenceService `name`);
-    delete a PodDisruptionBudget no longer wanted."""
+    delete an optional child (`OPTIONAL_KINDS`) no longer wanted."""
     key = (namespace, name)
     live_deployment = indexes.named("Deployment", key, name)
     wanted_kinds = set()
@@ -96,16 +103,18 @@ async def apply_children(
         writes.append(f"applied {kind}" + ("" if child_name == name else f" {child_name}"))
         if is_main_deployment:
             live_deployment = applied
-    stale = indexes.first("PodDisruptionBudget", key)
-    if "PodDisruptionBudget" not in wanted_kinds and stale is not None:
+    for kind in OPTIONAL_KINDS:
+        stale = indexes.first(kind, key)
+        if kind in wanted_kinds or stale is None:
+            continue
         uid = stale["metadata"]["uid"]
-        # A budget deleted moments ago can linger in the watch cache: delete it once.
-        previous = memo.budget_delete
+        # A child deleted moments ago can linger in the watch cache: delete it once.
+        previous = memo.deletes.get(kind)
         if previous is None or previous.uid != uid or now - previous.at > RECENT_WRITE_SECONDS:
-            await kube.delete("PodDisruptionBudget", namespace, name, uid)
-            memo.budget_delete = RecentDelete(uid, now)
-            CHILD_WRITES.labels(kind="PodDisruptionBudget", action="delete").inc()
-            writes.append("deleted PodDisruptionBudget")
+            await kube.delete(kind, namespace, stale["metadata"]["name"], uid)
+            memo.deletes[kind] = RecentDelete(uid, now)
+            CHILD_WRITES.labels(kind=kind, action="delete").inc()
+            writes.append(f"deleted {kind}")
     return Applied(live_deployment, writes)
 
 
@@ -119,9 +128,10 @@ async def apply_planned(
 ) -> Outcome:
     """Carry out the rollout's effects and apply the children, posting an event per write."""
     deployment = indexes.named("Deployment", subject.key, subject.name)
+    replicas = observed_replicas(indexes.deployments_by_name(subject.key).values())
     rollout = planned.rollout
     if planned.plan is None or rollout is None:
-        return Outcome(planned, deployment)
+        return Outcome(planned, deployment, replicas)
     try:
         effects = await apply_rollout_effects(runtime.kube, subject.namespace, rollout)
         if effects:
@@ -139,9 +149,9 @@ async def apply_planned(
     except KubeError as exc:
         if exc.is_temporary:
             raise
-        return Outcome(replace(planned, plan=None, error=child_rejected(exc)), deployment)
+        return Outcome(replace(planned, plan=None, error=child_rejected(exc)), deployment, replicas)
     if applied.writes:
         runtime.post_event(
             body, "Normal", "Applied", f"{', '.join(applied.writes)} ({subject.name})"
         )
-    return Outcome(planned, applied.deployment)
+    return Outcome(planned, applied.deployment, replicas)

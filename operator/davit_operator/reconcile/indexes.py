@@ -1,14 +1,15 @@
 """The kopf indexes a reconcile reads instead of the API server, typed.
 
-Children (Deployments, Services, PodDisruptionBudgets) are indexed by the InferenceService they
+Children (Deployments, Services, PodDisruptionBudgets, HorizontalPodAutoscalers, InferencePools
+and HTTPRoutes) are indexed by the InferenceService they
 belong to, `(namespace, name)`, from their instance label; nodes by name. Values are compact
 copies of the watched objects (`watched`) and `NodeFacts` (`node_facts`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import kopf
 
@@ -36,12 +37,21 @@ def node_facts(name: str, body: kopf.Body) -> NodeFacts:
     )
 
 
+def _no_index() -> kopf.Index[ObjectKey, KubeObject]:
+    """An index with nothing in it (a kind no test or handler indexes)."""
+    return cast("kopf.Index[ObjectKey, KubeObject]", {})
+
+
 @dataclass(frozen=True)
 class Indexes:
     deployments: kopf.Index[ObjectKey, KubeObject]
     services: kopf.Index[ObjectKey, KubeObject]
     budgets: kopf.Index[ObjectKey, KubeObject]
     nodes: kopf.Index[str, NodeFacts]
+    # Empty where the kind is not served (the InferencePool and HTTPRoute CRDs are optional).
+    autoscalers: kopf.Index[ObjectKey, KubeObject] = field(default_factory=_no_index)
+    pools: kopf.Index[ObjectKey, KubeObject] = field(default_factory=_no_index)
+    routes: kopf.Index[ObjectKey, KubeObject] = field(default_factory=_no_index)
 
     def children(self, kind: str) -> kopf.Index[ObjectKey, KubeObject]:
         """The index of a child kind the operator applies."""
@@ -49,6 +59,9 @@ class Indexes:
             "Deployment": self.deployments,
             "Service": self.services,
             "PodDisruptionBudget": self.budgets,
+            "HorizontalPodAutoscaler": self.autoscalers,
+            "InferencePool": self.pools,
+            "HTTPRoute": self.routes,
         }
         return by_kind[kind]
 

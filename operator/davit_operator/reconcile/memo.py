@@ -29,7 +29,7 @@ class RecentApply:
 
 @dataclass(frozen=True)
 class RecentDelete:
-    """The PodDisruptionBudget this process deleted (by uid), and when (time.monotonic)."""
+    """A child this process deleted (by uid), and when (time.monotonic)."""
 
     uid: str
     at: float
@@ -39,9 +39,10 @@ class RecentDelete:
 class ObjectMemo:
     """Everything one InferenceService's reconciles remember between runs. `lock` serialises
     its triggers (the drift timer runs beside the event handlers); `applies` is keyed by kind,
-    or `kind/name` for a child not named after the service (the canary Deployment)."""
+    or `kind/name` for a child not named after the service (the canary Deployment); `deletes`
+    by the kind of an optional child deleted because the spec no longer wants it."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     applies: dict[str, RecentApply] = field(default_factory=dict)
-    budget_delete: RecentDelete | None = None
+    deletes: dict[str, RecentDelete] = field(default_factory=dict)
     rollout: RolloutMemory = field(default_factory=RolloutMemory)

@@ -8,7 +8,7 @@ requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.builders.metadata import Owner
+from davit_operator.builders.routing import HTTP_ROUTE_VERSION, INFERENCE_POOL_VERSION
 from davit_operator.delivery import Delivery, resolve_delivery
 from davit_operator.kube import KubeError
 from davit_operator.planning.errors import PlanError
@@ -23,8 +24,10 @@ from davit_operator.planning.plan import Plan, default_shapes, make_plan
 from davit_operator.profiling import needs_profile, replicas_may_start, resolve_profile
 from davit_operator.reconcile.indexes import Indexes, KubeObject, ObjectKey
 from davit_operator.reconcile.memo import ObjectMemo
+from davit_operator.reconcile.replicas import effective_replicas
 from davit_operator.reconcile.runtime import EMPTY_DIR_CACHE, Runtime
 from davit_operator.rollout.controller import RolloutResult, plan_rollout
+from davit_operator.status.scaling import Routing
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Subject:
     generation: int
     spec: dict[str, Any]
     status: dict[str, Any]  # as last written
+    # metadata.managedFields: who wrote spec.replicas last (reconcile.replicas)
+    managed_fields: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def of(cls, body: kopf.Body) -> Subject:
@@ -48,6 +53,7 @@ class Subject:
             generation=int(meta.get("generation", 0)),
             spec=dict(body.spec),
             status=dict(body.status),
+            managed_fields=tuple(dict(m) for m in meta.get("managedFields") or ()),
         )
 
     @property
@@ -69,12 +75,18 @@ class Planned:
     error: PlanError | None = None
     rollout: RolloutResult | None = None
     delivery: Delivery | None = None
+    routing: Routing | None = None  # spec.routing's InferencePool, when it asks for one
 
     def desired_children(self, owner: Owner) -> list[KubeObject]:
         """The children to apply (none without a rollout decision)."""
         if self.plan is None or self.rollout is None:
             return []
-        return self.rollout.children(self.plan, owner)
+        served = []
+        if self.routing is not None and self.routing.pool_served:
+            served.append("InferencePool")
+        if self.routing is not None and self.routing.route_served:
+            served.append("HTTPRoute")
+        return self.rollout.children(self.plan, owner, served)
 
 
 def spec_error(exc: ValidationError) -> PlanError:
@@ -170,6 +182,13 @@ async def _plan_spec(
         plan = make_plan(
             subject.name, subject.namespace, spec, runtime.catalog, indexes.node_list(), shapes
         )
+        replicas = effective_replicas(
+            spec.replicas,
+            spec.autoscaling,
+            subject.managed_fields,
+            subject.status.get("desiredReplicas"),
+        )
+        plan = replace(plan, replicas=replicas)
         # The model comes first: profiling and replicas both need it in the cache.
         delivery = await resolve_delivery(runtime.kube, plan, subject.owner, runtime.fetch)
         if delivery.action:
@@ -188,6 +207,21 @@ async def _plan_spec(
     except PlanError as exc:
         return plan, exc, delivery
     return plan, None, delivery
+
+
+async def plan_routing(runtime: Runtime, plan: Plan) -> Routing | None:
+    """What spec.routing asks for, and which of those kinds the API server serves."""
+    pool = plan.spec.routing.inference_pool
+    if pool is None:
+        return None
+    route = pool.http_route
+    return Routing(
+        name=plan.name,
+        picker=f"{pool.endpoint_picker_ref.name}:{pool.endpoint_picker_ref.port}",
+        gateway=route.parent_ref.name if route is not None else None,
+        pool_served=await runtime.serves(INFERENCE_POOL_VERSION, "inferencepools"),
+        route_served=route is not None and await runtime.serves(HTTP_ROUTE_VERSION, "httproutes"),
+    )
 
 
 async def plan_object(
@@ -220,8 +254,9 @@ async def plan_object(
             live=indexes.deployments_by_name(subject.key),
             memory=memo.rollout,
         )
+        routing = await plan_routing(runtime, plan)
     except KubeError as exc:
         if exc.is_temporary:
             raise
         return Planned(None, child_rejected(exc), delivery=delivery)
-    return Planned(plan, error, rollout, delivery)
+    return Planned(plan, error, rollout, delivery, routing)

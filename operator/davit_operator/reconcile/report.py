@@ -16,11 +16,13 @@ from davit_operator.api.status import READY, STALLED, Condition, InferenceServic
 from davit_operator.metrics import STATUS_WRITES
 from davit_operator.reconcile.apply import Outcome
 from davit_operator.reconcile.plan import Subject
+from davit_operator.reconcile.replicas import selector_string
 from davit_operator.reconcile.runtime import EventPoster
 from davit_operator.rollout.status import rollout_status
 from davit_operator.status.compute import compute_status
 from davit_operator.status.model import with_model
 from davit_operator.status.patch import status_patch
+from davit_operator.status.scaling import with_scaling
 
 
 def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceServiceStatus:
@@ -60,7 +62,15 @@ def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceSer
             now=now,
             generation=subject.generation,
         )
-    return status
+    return with_scaling(
+        status,
+        selector=selector_string(subject.name),
+        replicas=outcome.replicas,
+        routing=planned.routing if planned.plan is not None else None,
+        written=subject.status,
+        generation=subject.generation,
+        now=now,
+    )
 
 
 def post_state_events(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,10 @@ from davit_operator.profiling import ProfileCache
 
 # The operator-wide opt-out of the model cache (`davit operator --model-cache emptyDir`).
 EMPTY_DIR_CACHE = "emptyDir"
+
+# How long an answer about which optional kinds the API server serves is reused: installing the
+# Gateway API Inference Extension's CRDs takes effect within this time, without a restart.
+SERVED_CHECK_SECONDS = 60.0
 
 EventPoster = Callable[[kopf.Body, str, str, str], None]  # (body, type, reason, message)
 
@@ -41,3 +46,16 @@ class Runtime:
     # The model cache claim for specs that name none (or EMPTY_DIR_CACHE); None: they must.
     model_cache: str | None = None
     fetch: FetchSettings = field(default_factory=FetchSettings)
+    # (group/version, plural) -> (served, when asked, time.monotonic), for every object.
+    served_kinds: dict[tuple[str, str], tuple[bool, float]] = field(default_factory=dict)
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `group_version`, asked at most once per
+        SERVED_CHECK_SECONDS for the whole process."""
+        key = (group_version, plural)
+        now = time.monotonic()
+        known = self.served_kinds.get(key)
+        if known is None or now - known[1] > SERVED_CHECK_SECONDS:
+            known = (await self.kube.serves(group_version, plural), now)
+            self.served_kinds[key] = known
+        return known[0]

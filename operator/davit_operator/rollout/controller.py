@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,11 +81,16 @@ class RolloutResult:
     remove_canary: dict[str, Any] | None  # the live canary Deployment to delete
     route: tuple[str, str, int, int] | None = None  # (route, service, port, canary weight)
 
-    def children(self, plan: Plan, owner: Owner) -> list[dict[str, Any]]:
+    def children(
+        self, plan: Plan, owner: Owner, served: Collection[str] = ()
+    ) -> list[dict[str, Any]]:
         """Every child to apply: the rollout's Deployments, then the plan's other children
-        (with a Service per track while an HTTPRoute splits the traffic)."""
+        (with a Service per track while an HTTPRoute splits the traffic); `served` names the
+        optional routing kinds the API server serves."""
         deployments = [d.manifest for d in self.deployments]
-        return children(plan, owner, deployments, per_track_services=self.route is not None)
+        return children(
+            plan, owner, deployments, per_track_services=self.route is not None, served=served
+        )
 
 
 async def apply_rollout_effects(

@@ -56,7 +56,16 @@ def test_identity_printer_columns_and_subresources() -> None:
         ["infsvc"],
     )
     version = crd["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1"
+    # kubectl scale and autoscalers work on the service; status says which pods it counts.
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Model", "Engine", "Runner", "Accelerator", "Ready", "Replicas", "Age"]
 
