@@ -22,7 +22,7 @@ from davit_operator.rollout.status import rollout_status
 from davit_operator.status.compute import compute_status
 from davit_operator.status.model import with_model
 from davit_operator.status.patch import status_patch
-from davit_operator.status.scaling import with_scaling
+from davit_operator.status.scaling import ROUTED, with_scaling
 
 
 def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceServiceStatus:
@@ -76,9 +76,19 @@ def desired_status(subject: Subject, outcome: Outcome, now: str) -> InferenceSer
 def post_state_events(
     post: EventPoster, body: kopf.Body, old: Mapping[str, Any], new: InferenceServiceStatus
 ) -> None:
-    """One event per state change: Ready's status or reason, Stalled's status."""
+    """One event per state change: Ready's status or reason, Stalled's status, Routed's
+    status or reason (a Warning while the routing CRDs are missing)."""
     before = {c.get("type"): c for c in old.get("conditions") or []}
     after = {c.type: c for c in new.conditions}
+    routed, prior_routed = after.get(ROUTED), before.get(ROUTED)
+    if routed and (
+        not prior_routed
+        or (prior_routed.get("status"), prior_routed.get("reason"))
+        != (routed.status, routed.reason)
+    ):
+        post(
+            body, "Normal" if routed.status == "True" else "Warning", routed.reason, routed.message
+        )
     ready, stalled = after.get(READY), after.get(STALLED)
     prior_ready, prior_stalled = before.get(READY), before.get(STALLED)
     if stalled and stalled.status == "True":

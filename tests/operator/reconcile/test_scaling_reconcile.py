@@ -117,12 +117,20 @@ def test_children_no_longer_wanted_are_deleted_once() -> None:
     assert len(client.deleted) == 3
 
 
+EVENTS: list[tuple[str, str]] = []
+
+
+def _record(body: kopf.Body, type: str, reason: str, message: str) -> None:
+    EVENTS.append((type, reason))
+
+
 def _reconcile(
     client: Client,
     spec: dict[str, Any],
     status: dict[str, Any] | None = None,
     **meta: Any,
 ) -> tuple[dict[str, Any], kopf.Patch]:
+    EVENTS.clear()
     body = {
         "apiVersion": "serving.davit.dev/v1alpha1",
         "kind": "InferenceService",
@@ -137,7 +145,7 @@ def _reconcile(
             runtime=Runtime(
                 catalog=CATALOG,
                 kube=client,  # type: ignore[arg-type]
-                post_event=lambda *_: None,
+                post_event=_record,
                 model_cache=EMPTY_DIR_CACHE,
             ),
             body=kopf.Body(body),
@@ -166,10 +174,15 @@ def test_status_names_the_selector_and_routing_waits_for_its_crds() -> None:
     assert "inferencepools.inference.networking.k8s.io" in routed["message"]
     assert "httproutes.gateway.networking.k8s.io" in routed["message"]
     assert "InferencePool" not in client.kinds()
+    assert ("Warning", "RoutingAPIMissing") in EVENTS
+    # Once written, the same state posts nothing again.
+    _reconcile(Client(served=False), spec_dict(routing=ROUTING), status={"conditions": [routed]})
+    assert all(reason != "RoutingAPIMissing" for _, reason in EVENTS)
     served = Client(served=True)
-    _, patch = _reconcile(served, spec_dict(routing=ROUTING))
+    _, patch = _reconcile(served, spec_dict(routing=ROUTING), status={"conditions": [routed]})
     routed = next(c for c in patch["status"]["conditions"] if c["type"] == "Routed")
     assert (routed["status"], routed["reason"]) == ("True", "InferencePoolCreated")
+    assert ("Normal", "InferencePoolCreated") in EVENTS
     assert served.kinds()[-2:] == ["InferencePool", "HTTPRoute"]
 
 
