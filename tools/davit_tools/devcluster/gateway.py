@@ -5,7 +5,7 @@ the pinned release is fetched with `go mod download -json MODULE@VERSION` (the m
 checksummed against the sum database) and the needed files are copied into a cache outside the
 repository, keyed by version: `${DAVIT_CACHE:-~/.cache/davit}/gateway-crds/<module>@<version>/`.
 A cached copy is reused without Go or network (a few milliseconds); a cold fetch downloads two
-module zips (about 3 MB) in seconds.
+module zips (15 MB, about a second measured).
 
 `python -m davit_tools.devcluster.gateway` fetches them and prints the files (hack/install.sh
 runs it); tests apply the files to the local control plane.
