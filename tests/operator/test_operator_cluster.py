@@ -167,6 +167,7 @@ def test_runner_selection_and_refusals(
     start_operator()
     logits = {"features": {"customLogitsProcessors": ["acme.logits:NoRepeat"]}}
     vllm033 = {"engine": {"type": "vllm", "version": "0.33.0"}}
+    v1_on_034 = {"engine": {"type": "vllm", "version": "0.34.0", "runner": "v1"}}
     apply_yaml(
         kube_cluster,
         kube_namespace,
@@ -174,6 +175,7 @@ def test_runner_selection_and_refusals(
             isvc("plain", H200_SPEC),
             isvc("logits-davit", merge(H200_SPEC, logits)),
             isvc("logits-vllm", merge(merge(H200_SPEC, logits), vllm033)),
+            isvc("v1-vllm-034", merge(H200_SPEC, v1_on_034)),
             isvc(
                 "cuda129-vllm",
                 merge(H200_SPEC, {"engine": {**vllm033["engine"], "variant": "cuda12.9"}}),
@@ -181,19 +183,26 @@ def test_runner_selection_and_refusals(
             isvc("tp2-davit", merge(H200_SPEC, {"parallelism": {"tensor": 2}})),
         ],
     )
-    ready = wait_ready(kube_cluster, kube_namespace, ["plain", "logits-davit"])
+    ready = wait_ready(kube_cluster, kube_namespace, ["plain", "logits-davit", "logits-vllm"])
     assert ready["plain"]["status"]["runner"] == {
         "name": "v2",
         "reason": "V2 is the default runner of davit 0.1.0",
     }
     fallback = ready["logits-davit"]["status"]["runner"]
     assert fallback["name"] == "v1"
-    assert "features.customLogitsProcessors is not supported by runner V2" in fallback["reason"]
+    assert fallback["reason"].startswith(
+        "features.customLogitsProcessors (custom logits processors) is not supported by runner V2"
+    )
     assert condition(ready["logits-davit"], "RunnerSelected")["reason"] == "Fallback"
+    # vLLM 0.33.0's runner V2 builds custom logits processors itself (its wheel says so).
+    assert ready["logits-vllm"]["status"]["runner"] == {
+        "name": "v2",
+        "reason": "V2 is the default runner of vllm 0.33.0",
+    }
 
-    stalled = wait_condition(kube_cluster, kube_namespace, "logits-vllm", "Stalled", "True")
+    stalled = wait_condition(kube_cluster, kube_namespace, "v1-vllm-034", "Stalled", "True")
     message = condition(stalled, "Stalled")["message"]
-    assert "runner V1 was removed in vllm 0.32.0" in message
+    assert "vllm 0.34.0 no longer ships runner V1; V1 was last shipped in 0.33.0" in message
     assert condition(stalled, "RunnerSelected")["status"] == "False"
     assert condition(stalled, "Ready")["status"] == "False"
 
@@ -209,7 +218,7 @@ def test_runner_selection_and_refusals(
     assert "davit 0.1.0 does not support parallelism.tensor 2 (at most 1)" in refusal["message"]
     assert "engine.type: vllm and engine.version >= 0.28.0" in refusal["message"]
     assert condition(stalled, "Ready")["status"] == "False"
-    for refused in ("logits-vllm", "cuda129-vllm", "tp2-davit"):
+    for refused in ("v1-vllm-034", "cuda129-vllm", "tp2-davit"):
         missing = kube_cluster.kubectl(
             "get", "deployment", refused, "-n", kube_namespace, check=False
         )
@@ -217,7 +226,7 @@ def test_runner_selection_and_refusals(
 
     events = get_json(kube_cluster, "get", "events", "-n", kube_namespace)["items"]
     warnings = {e["involvedObject"]["name"]: e["reason"] for e in events if e["type"] == "Warning"}
-    assert warnings.get("logits-vllm") == "NoRunnerSupports"
+    assert warnings.get("v1-vllm-034") == "RunnerUnavailable"
     assert warnings.get("cuda129-vllm") == "VariantNotPublished"
     assert warnings.get("tp2-davit") == "UnsupportedByEngine"
 

@@ -18,3 +18,5 @@ def test_demo_settles_every_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "source: estimate" in out
     assert "no Deployment" not in out
     assert "Stalled=True (NoRunnerSupports)" in out
+    assert "runner V2 refuses parallelism.dualBatchOverlap with parallelism.pipeline 2" in out
+    assert "runner V1 was last shipped in 0.33.0" in out

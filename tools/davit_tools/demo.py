@@ -31,16 +31,18 @@ EXAMPLES_DIR = default_crd_path().parents[1] / "examples"
 DEFAULT_EXAMPLES = ("qwen3-h200-davit.yaml", "vllm-0.33-h200.yaml", "cpu-smollm2.yaml")
 NAMESPACE = "davit-demo"
 
-# Runner V1 was removed in vLLM 0.32: this one must stall with that explanation.
+# vLLM 0.34.0's only runner refuses dual-batch overlap combined with pipeline parallelism (its
+# wheel's own list; catalog evidence vllm-0.34.0.json), and it no longer ships runner V1, which
+# served that combination up to 0.33.0: this one must stall with that explanation.
 REFUSED: dict[str, Any] = {
     "apiVersion": "serving.davit.dev/v1alpha1",
     "kind": "InferenceService",
-    "metadata": {"name": "needs-v1-on-vllm-033"},
+    "metadata": {"name": "dbo-pipeline-on-vllm-034"},
     "spec": {
-        "model": {"source": "hf://Qwen/Qwen3-8B", "revision": "main"},
-        "engine": {"type": "vllm", "version": "0.33.0"},
+        "model": {"source": "hf://Qwen/Qwen3-30B-A3B", "revision": "main"},
+        "engine": {"type": "vllm", "version": "0.34.0"},
         "accelerator": {"vendor": "nvidia", "product": "NVIDIA-H200"},
-        "features": {"customLogitsProcessors": ["acme.logits:NoRepeat"]},
+        "parallelism": {"pipeline": 2, "dualBatchOverlap": True, "expert": {"enabled": True}},
     },
 }
 

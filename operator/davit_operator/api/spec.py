@@ -125,12 +125,6 @@ class ModelSpec(CrdModel):
                     reason="FieldValueRequired",
                 ),
                 cel_rule(
-                    "!has(self.file) || self.file.endsWith('.gguf')",
-                    "model.file names a single GGUF file inside the source and must end in .gguf; "
-                    "omit it for safetensors directories",
-                    ".file",
-                ),
-                cel_rule(
                     "!self.source.startsWith('s3://') || has(self.revision)",
                     "model.revision is required for s3:// sources: name the version of the "
                     "objects (a label you choose; a new label fetches the objects again)",
@@ -148,6 +142,12 @@ class ModelSpec(CrdModel):
                     "self.source.startsWith('s3://')",
                     "model.credentialsSecret applies to hf:// and s3:// sources only",
                     ".credentialsSecret",
+                ),
+                cel_rule(
+                    "!has(self.file) || self.file.endsWith('.gguf')",
+                    "model.file names a single GGUF file inside the source and must end in .gguf; "
+                    "omit it for safetensors directories",
+                    ".file",
                 ),
                 cel_rule(
                     "!has(self.file) || self.source.startsWith('pvc://')",
@@ -421,7 +421,8 @@ class ExpertParallelSpec(CrdModel):
     enabled: bool = Field(default=False, description="Shard MoE experts across the GPUs.")
     elastic: bool = Field(
         default=False,
-        description="Elastic expert parallelism (rescale without restart). V1-only upstream.",
+        description="Elastic expert parallelism (rescale without restart); the runner that serves "
+        "it depends on the engine release (status says which).",
     )
 
 

@@ -25,6 +25,9 @@ RUNNER_SELECTED = "RunnerSelected"
 SCHEDULABLE = "Schedulable"
 MEMORY_PLANNED = "MemoryPlanned"
 MODEL_READY = "ModelReady"
+# Present (True) only while the pods run an image the catalog cannot vouch for: engine.version
+# newer than its releases, or engine.image overriding a variant never published (planning/image.py).
+UNCATALOGUED = "Uncatalogued"
 
 
 class Condition(CrdModel):

@@ -1,8 +1,9 @@
 """The versioned catalog: engine releases, their images per variant, runners and accelerators.
 
-The data lives in `engines.yaml` and `accelerators.yaml` next to this module (package data) and is loaded and validated once at startup by
-`load_catalog()`; a malformed catalog stops the operator with the file and field at fault instead
-of producing wrong Deployments later. Lookups are methods on the frozen models.
+The data lives in `engines.yaml` and `accelerators.yaml` next to this module (package data) and
+is loaded and validated once at startup by `load_catalog()`; a malformed catalog stops the
+operator with the file and field at fault instead of producing wrong Deployments later. Lookups
+are methods on the frozen models. Runner rules are in `rules.py`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,34 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
 
 from davit_operator.api.spec import Quantization, SpeculativeMethod
+from davit_operator.catalog.base import (
+    VARIANTS,
+    CatalogModel,
+    FeatureName,
+    RunnerName,
+    VariantName,
+    version_key,
+)
+from davit_operator.catalog.rules import TWO_RUNNER_EFFECTS, RunnerRule, RunnerSwitch
 
-RunnerName = Literal["v1", "v2"]
-VariantName = Literal["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
-FeatureName = Literal[
-    "sequenceParallelism",
-    "dualBatchOverlap",
-    "elasticExpertParallelism",
-    "customLogitsProcessors",
+__all__ = [
+    "AcceleratorCatalog",
+    "Capabilities",
+    "Catalog",
+    "CatalogError",
+    "EngineCatalog",
+    "EngineInfo",
+    "FeatureName",
+    "Health",
+    "ImageEntry",
+    "Release",
+    "RunnerName",
+    "VariantName",
+    "default_catalog",
+    "load_catalog",
+    "version_key",
 ]
 
 
@@ -32,18 +50,7 @@ class CatalogError(ValueError):
     """The catalog data is malformed; the message names the file and the field."""
 
 
-class _Data(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
-
-
-def version_key(version: str) -> tuple[int, ...]:
-    """Sort key of a MAJOR.MINOR.PATCH string."""
-    return tuple(int(part) for part in version.split("."))
-
-
-class VendorInfo(_Data):
+class VendorInfo(CatalogModel):
     resource: str | None
     product_label: str | None
     node_marker_label: str | None
@@ -70,7 +77,7 @@ class VendorInfo(_Data):
         return [product for product, supported in self.fp8.items() if supported]
 
 
-class AcceleratorCatalog(_Data):
+class AcceleratorCatalog(CatalogModel):
     schema_version: Literal[1]
     vendors: dict[Literal["nvidia", "amd", "intel", "cpu"], VendorInfo]
 
@@ -82,11 +89,15 @@ class AcceleratorCatalog(_Data):
         return self
 
 
-class ImageEntry(_Data):
+class ImageEntry(CatalogModel):
+    """One image variant of a release. `source` names the entry of the catalog's `sources`
+    this comes from: no image fact here is verified against an artifact."""
+
     published: bool
     repository: str | None = None
     tag: str | None = None
     digest: str | None = Field(default=None, pattern=r"^sha256:[a-f0-9]{64}$")
+    source: str
 
     @model_validator(mode="after")
     def _consistent(self) -> ImageEntry:
@@ -103,23 +114,10 @@ class ImageEntry(_Data):
         return self.repository is not None
 
 
-class RunnerSelection(_Data):
-    kind: Literal["flag", "env"]
-    name: str
-    values: dict[RunnerName, str] = Field(default_factory=dict)
-
-
-class RunnerInfo(_Data):
-    variants: list[VariantName]
-    unsupported_features: list[FeatureName]
-    unsupported_speculative_methods: list[str]
-    unsupported_models_by_variant: dict[VariantName, list[str]]
-
-
-class Capabilities(_Data):
+class Capabilities(CatalogModel):
     """What an engine release itself serves, whichever runner runs it (the runner matrix is
-    `RunnerInfo`). An unset size limit or speculative method list means the catalog records no
-    limit; the default is a release with no limits recorded."""
+    the release's `runnerRules`). An unset size limit or speculative method list means the
+    catalog records no limit; the default is a release with no limits recorded."""
 
     max_tensor_parallel: int | None = Field(default=None, ge=1)
     max_pipeline_parallel: int | None = Field(default=None, ge=1)
@@ -136,19 +134,47 @@ class Capabilities(_Data):
     kv_cache_dtypes: list[Literal["fp8"]] | None = None
 
 
-class Health(_Data):
+class SequenceParallelismArgs(CatalogModel):
+    """The release's compilation pass-config key that turns sequence parallelism on."""
+
+    pass_config_key: str = Field(pattern=r"^[a-z_]+$")
+
+
+class ReleaseArguments(CatalogModel):
+    """Release-specific spellings of engine arguments. `sequenceParallelism: null`: the release
+    has no such setting (and its capabilities must list the feature as unsupported)."""
+
+    sequence_parallelism: SequenceParallelismArgs | None = None
+
+
+class WheelFacts(CatalogModel):
+    """Facts of the release's default wheel, verified against it through the evidence file
+    (`tests/operator/catalog/test_catalog_evidence.py` checks they agree)."""
+
+    sha256: str = Field(pattern=r"^[a-f0-9]{64}$")
+    cuda: str
+    torch: str
+
+
+class Health(CatalogModel):
     liveness: str
     readiness: str
     metrics: str
 
 
-class Release(_Data):
+class Release(CatalogModel):
     version: str = Field(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$")
     tag: str
     title: str
+    tag_source: str
     runners: list[RunnerName] = Field(min_length=1)
     default_runner: RunnerName
     deprecated_runners: list[RunnerName]
+    runner_switch: RunnerSwitch | None
+    runner_rules: list[RunnerRule] = Field(default_factory=list)
+    evidence: str | None = None
+    wheel: WheelFacts | None = None
+    arguments: ReleaseArguments = Field(default_factory=ReleaseArguments)
     images: dict[VariantName, ImageEntry]
     capabilities: Capabilities = Field(default_factory=Capabilities)
 
@@ -156,18 +182,42 @@ class Release(_Data):
     def _consistent(self) -> Release:
         if self.default_runner not in self.runners:
             raise ValueError(f"defaultRunner {self.default_runner} is not in runners")
-        missing = {"cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"} - set(self.images)
+        if not set(self.deprecated_runners) <= set(self.runners):
+            raise ValueError("deprecatedRunners must be runners of the release")
+        missing = set(VARIANTS) - set(self.images)
         if missing:
             raise ValueError(f"images: every variant must be listed, missing {sorted(missing)}")
+        if len(self.runners) > 1 and self.runner_switch is None:
+            raise ValueError("a release with two runners needs a runnerSwitch")
+        switch = self.runner_switch
+        if switch is not None and switch.kind == "env" and set(switch.values) != set(self.runners):
+            raise ValueError(f"runnerSwitch.values must name every runner {self.runners}")
+        texts = [rule.text for rule in self.runner_rules]
+        if len(set(texts)) != len(texts):
+            raise ValueError("runnerRules: a text is listed twice")
+        for rule in self.runner_rules:
+            two = TWO_RUNNER_EFFECTS & set(rule.effects)
+            if len(self.runners) == 1 and two:
+                raise ValueError(f"{rule.text}: {sorted(two)} need two runners; use refused")
+            if len(self.runners) > 1 and "refused" in rule.effects:
+                raise ValueError(f"{rule.text}: refused is for single-runner releases")
+        if (
+            self.arguments.sequence_parallelism is None
+            and "sequenceParallelism" not in self.capabilities.unsupported_features
+        ):
+            raise ValueError(
+                "arguments.sequenceParallelism is null: capabilities.unsupportedFeatures must "
+                "list sequenceParallelism"
+            )
+        if self.evidence is not None and self.wheel is None:
+            raise ValueError("a release with an evidence file records its wheel facts")
         return self
 
 
-class EngineInfo(_Data):
+class EngineInfo(CatalogModel):
     display_name: str
     command: list[str] = Field(min_length=1)
     health: Health
-    runner_selection: RunnerSelection
-    runners: dict[RunnerName, RunnerInfo]
     releases: list[Release] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -184,24 +234,30 @@ class EngineInfo(_Data):
     def versions(self) -> list[str]:
         return [release.version for release in self.releases]
 
+    @property
+    def newest(self) -> Release:
+        return self.releases[-1]
+
+    def is_newer_than_catalog(self, version: str) -> bool:
+        """Whether `version` is newer than every release of this engine in the catalog."""
+        return version_key(version) > version_key(self.newest.version)
+
+    def facts_for(self, version: str) -> Release | None:
+        """The release whose facts apply to `version`: its own, or for a version newer than the
+        catalog's newest release that newest one (assumed, see planning/image.py); None for an
+        unknown version inside the catalog's range."""
+        if self.is_newer_than_catalog(version):
+            return self.newest
+        return self.release(version)
+
     def last_publishing(self, variant: str, before: str) -> Release | None:
         """The newest release older than `before` that published `variant`."""
         older = [r for r in self.releases if version_key(r.version) < version_key(before)]
         published = [r for r in older if r.images[variant].published]  # type: ignore[index]
         return published[-1] if published else None
 
-    def first_without(self, runner: RunnerName) -> Release | None:
-        """The first release that no longer has `runner` after an earlier one had it."""
-        seen = False
-        for release in self.releases:
-            if runner in release.runners:
-                seen = True
-            elif seen:
-                return release
-        return None
-
     def last_with(self, runner: RunnerName, before: str) -> Release | None:
-        """The newest release older than `before` that still has `runner`."""
+        """The newest release older than `before` that still ships `runner`."""
         candidates = [
             r
             for r in self.releases
@@ -210,10 +266,24 @@ class EngineInfo(_Data):
         return candidates[-1] if candidates else None
 
 
-class EngineCatalog(_Data):
-    schema_version: Literal[1]
+class EngineCatalog(CatalogModel):
+    schema_version: Literal[2]
     catalog_version: str
+    sources: dict[str, str] = Field(min_length=1)
     engines: dict[Literal["davit", "vllm"], EngineInfo]
+
+    @model_validator(mode="after")
+    def _sources_named(self) -> EngineCatalog:
+        for engine_type, engine in self.engines.items():
+            for release in engine.releases:
+                named = [release.tag_source] + [e.source for e in release.images.values()]
+                unknown = sorted(set(named) - set(self.sources))
+                if unknown:
+                    raise ValueError(
+                        f"{engine_type} {release.version}: unknown sources {unknown}; "
+                        f"known: {sorted(self.sources)}"
+                    )
+        return self
 
 
 class Catalog(BaseModel):

@@ -1,8 +1,9 @@
 """Engine command line, environment and model volumes for the chosen engine type.
 
 Both engines take the upstream flag names (`davit serve` mirrors `vllm serve`); they differ in
-how the runner is chosen (a `--runner` flag or an environment variable, from the catalog) and in
-their readiness endpoint.
+how the runner is chosen (the release's `runnerSwitch` in the catalog: a `--runner` flag, an
+environment variable, or none) and in their readiness endpoint. Spellings that change between
+releases come from the release's catalog `arguments`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog.loader import EngineInfo
+from davit_operator.catalog.loader import EngineInfo, Release
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.offload import offload_args
 from davit_operator.planning.runner import SelectedRunner
@@ -141,10 +142,28 @@ def _speculative_config(
     return json.dumps(config, sort_keys=True, separators=(",", ":")), mounts
 
 
+def _sequence_parallelism(spec: InferenceServiceSpec, release: Release) -> str:
+    """The --compilation-config value that turns sequence parallelism on in `release`."""
+    spelling = release.arguments.sequence_parallelism
+    if spelling is None:
+        # Capabilities refuse this first (the catalog requires it); a plain refusal here too.
+        raise PlanError(
+            field="parallelism.sequenceParallelism",
+            value=True,
+            reason="UnsupportedByEngine",
+            condition="",
+            message=f"{spec.engine.type} {release.version} has no sequence-parallelism setting; "
+            "remove parallelism.sequenceParallelism",
+        )
+    config = {"pass_config": {spelling.pass_config_key: True}}
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
 def engine_invocation(
-    spec: InferenceServiceSpec, engine: EngineInfo, runner: SelectedRunner, release_runners: int
+    spec: InferenceServiceSpec, engine: EngineInfo, release: Release, runner: SelectedRunner
 ) -> EngineInvocation:
-    """The container's command, args and env (deterministic order)."""
+    """The container's command, args and env (deterministic order) for `spec` on `release` (the
+    catalog release whose facts apply) with `runner`."""
     location, model_flags, mounts = _model_location(spec)
     args: list[str] = [location, "--served-model-name", served_name(spec)]
     args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
@@ -163,10 +182,7 @@ def engine_invocation(
     if p.dual_batch_overlap:
         args.append("--enable-dbo")
     if p.sequence_parallelism:
-        args += [
-            "--compilation-config",
-            json.dumps({"pass_config": {"enable_sequence_parallelism": True}}, sort_keys=True),
-        ]
+        args += ["--compilation-config", _sequence_parallelism(spec, release)]
     limits = spec.limits
     if limits.max_model_len is not None:
         args += ["--max-model-len", str(limits.max_model_len)]
@@ -179,12 +195,12 @@ def engine_invocation(
     args.append(
         "--enable-prefix-caching" if spec.features.prefix_caching else "--no-enable-prefix-caching"
     )
+    args += offload_args(spec, engine)
     # Both engine types take upstream's FP8 flags; planning checked the release and accelerator.
     if spec.engine.quantization is not None:
         args += ["--quantization", spec.engine.quantization]
     if spec.engine.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
-    args += offload_args(spec, engine)
     speculative, draft_mounts = _speculative_config(spec, mounts)
     if speculative is not None:
         args += ["--speculative-config", speculative]
@@ -196,12 +212,13 @@ def engine_invocation(
         args += ["--drain-timeout", str(spec.rollout.drain_seconds)]
 
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"}]
-    selection = engine.runner_selection
-    if selection.kind == "flag":
-        args += [selection.name, runner.name]
-    elif release_runners > 1:
-        # Only meaningful while the release still has a choice to make.
-        env.append({"name": selection.name, "value": selection.values[runner.name]})
+    switch = release.runner_switch
+    if switch is not None and switch.kind == "flag":
+        args += [switch.name, runner.name]
+    elif switch is not None and spec.engine.runner != "auto":
+        # Only a forced runner: with auto the release decides itself (and a set variable would
+        # change its decisions, e.g. what it refuses with dual-batch overlap).
+        env.append({"name": switch.name, "value": switch.values[runner.name]})
     args += list(spec.engine.extra_args)
 
     # User variables override the operator's by name; server-side apply refuses duplicate keys.

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog.loader import Capabilities, Catalog, EngineInfo, Release
+from davit_operator.catalog.loader import Capabilities, Catalog, Release
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.image import default_variant
-from davit_operator.planning.runner import FEATURE_FIELDS, blockers, requested_features
+from davit_operator.planning.rules import FEATURE_FIELDS, requested_features
+from davit_operator.planning.runner import decide
 
 REASON = "UnsupportedByEngine"
 
@@ -87,14 +88,15 @@ def shortfalls(spec: InferenceServiceSpec, capabilities: Capabilities) -> list[S
 
 
 def _serves(
-    spec: InferenceServiceSpec, catalog: Catalog, engine: EngineInfo, release: Release
+    spec: InferenceServiceSpec, catalog: Catalog, engine_type: str, release: Release
 ) -> bool:
-    """Whether `release` of `engine` implements the spec and one of its runners serves it on the
-    spec's variant."""
+    """Whether `release` of `engine` implements the spec and runs it on the spec's variant (with
+    the runner the spec asks for, or the one the release picks)."""
     if shortfalls(spec, release.capabilities):
         return False
+    engine = catalog.engines.engines[engine_type]  # type: ignore[index]
     variant = default_variant(spec, catalog)
-    return any(not blockers(spec, engine, runner, variant) for runner in release.runners)
+    return decide(spec, engine_type, engine, release, variant) is not None
 
 
 def _versions(known: list[str], serving: list[str]) -> str:
@@ -120,7 +122,7 @@ def alternatives(spec: InferenceServiceSpec, catalog: Catalog) -> list[str]:
             r.version
             for r in engine.releases
             if not (engine_type == current and r.version == spec.engine.version)
-            and _serves(spec, catalog, engine, r)
+            and _serves(spec, catalog, engine_type, r)
         ]
         if not serving:
             continue
@@ -132,7 +134,7 @@ def alternatives(spec: InferenceServiceSpec, catalog: Catalog) -> list[str]:
 
 
 def _release(spec: InferenceServiceSpec, catalog: Catalog) -> Release:
-    release = catalog.engines.engines[spec.engine.type].release(spec.engine.version)
+    release = catalog.engines.engines[spec.engine.type].facts_for(spec.engine.version)
     assert release is not None, "resolve_image validates the version first"
     return release
 
@@ -154,6 +156,25 @@ def check_capabilities(spec: InferenceServiceSpec, catalog: Catalog) -> None:
         message=f"{spec.engine.type} {spec.engine.version} does not support "
         f"{', '.join(s.why for s in missing)}; {', '.join(fixes)}"
         + (f", or serve it with {' or '.join(others)}" if others else ""),
+    )
+
+
+def with_alternatives(
+    refused: PlanError, spec: InferenceServiceSpec, catalog: Catalog
+) -> PlanError:
+    """A runner refusal (no runner of the release serves the spec) with the catalog releases that
+    would serve the spec unchanged added to its message; other refusals unchanged."""
+    if refused.reason not in ("NoRunnerSupports", "RunnerUnsupported"):
+        return refused
+    others = alternatives(spec, catalog)
+    if not others:
+        return refused
+    return PlanError(
+        field=refused.field,
+        value=refused.value,
+        reason=refused.reason,
+        condition=refused.condition,
+        message=f"{refused.message}, or serve it with {' or '.join(others)}",
     )
 
 

@@ -1,4 +1,10 @@
-"""Image resolution: engine type + version + variant (or an override) -> an exact artifact."""
+"""Image resolution: engine type + version + variant (or an override) -> an exact artifact.
+
+A version newer than every release of its engine in the catalog is uncatalogued: it is served
+only with `engine.image` (the catalog has no image for it), planned with the facts of the newest
+catalogued release (`assumed_release`), and reported in the `Uncatalogued` condition. Any other
+version the catalog lacks is refused, naming the known ones.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from davit_operator.api.spec import InferenceServiceSpec
-from davit_operator.catalog.loader import Catalog, EngineInfo
+from davit_operator.catalog.loader import Catalog, EngineInfo, Release
 from davit_operator.planning.errors import image_error
 
 
@@ -25,6 +31,11 @@ class ResolvedImage:
     release_title: str | None
     catalog_version: str
     source: Literal["catalog", "override"]
+    # For an uncatalogued version: the catalog release whose facts planning assumed.
+    assumed_release: str | None = None
+    # For an engine.image override of a variant the catalog says its release never published:
+    # what the catalog says (the override bypasses the catalog's address, not its facts).
+    unpublished: str | None = None
 
     @property
     def pinned(self) -> bool:
@@ -50,26 +61,50 @@ def default_variant(spec: InferenceServiceSpec, catalog: Catalog) -> str:
 
 def _engine_release(spec: InferenceServiceSpec, catalog: Catalog) -> tuple[EngineInfo, str]:
     engine = catalog.engines.engines[spec.engine.type]
-    release = engine.release(spec.engine.version)
-    if release is None:
+    version = spec.engine.version
+    if engine.release(version) is not None:
+        return engine, version
+    newest = engine.newest.version
+    if engine.is_newer_than_catalog(version):
+        if spec.engine.image is not None:
+            return engine, version
         raise image_error(
             "engine.version",
-            spec.engine.version,
-            "UnknownVersion",
-            f"engine.version {spec.engine.version} is not a {spec.engine.type} release in "
-            f"catalog {catalog.version}; known versions: {', '.join(engine.versions)}",
+            version,
+            "UncataloguedVersion",
+            f"engine.version {version} is newer than every {spec.engine.type} release in catalog "
+            f"{catalog.version} (the newest is {newest}); set engine.image to its image to run it "
+            f"uncatalogued (planned with {newest}'s runner rules and arguments, reported in the "
+            f"Uncatalogued condition), or use engine.version {newest}",
         )
-    return engine, release.version
+    raise image_error(
+        "engine.version",
+        version,
+        "UnknownVersion",
+        f"engine.version {version} is not a {spec.engine.type} release in catalog "
+        f"{catalog.version}; known versions: {', '.join(engine.versions)}",
+    )
+
+
+def _unpublished(engine: EngineInfo, release: Release, variant: str) -> str | None:
+    """What the catalog says when `release` never published `variant`, else None."""
+    entry = release.images.get(variant)  # type: ignore[call-overload]
+    if entry is None or entry.published:
+        return None
+    last = engine.last_publishing(variant, before=release.version)
+    since = f"; it was last published in {last.version}" if last is not None else ""
+    return f"{release.version} never published the {variant} variant{since}"
 
 
 def resolve_image(spec: InferenceServiceSpec, catalog: Catalog) -> ResolvedImage:
     """Resolve the image, or raise PlanError naming the field and what would work instead."""
     engine, version = _engine_release(spec, catalog)
-    release = engine.release(version)
+    release = engine.facts_for(version)
     assert release is not None
+    assumed = release.version if release.version != version else None
     variant = default_variant(spec, catalog)
     policy_strict = spec.engine.image_policy == "Strict"
-    title = release.title if release.title != release.tag else None
+    title = release.title if release.title != release.tag and assumed is None else None
 
     if spec.engine.image is not None:
         repository, tag, digest = parse_reference(spec.engine.image)
@@ -92,6 +127,8 @@ def resolve_image(spec: InferenceServiceSpec, catalog: Catalog) -> ResolvedImage
             release_title=title,
             catalog_version=catalog.version,
             source="override",
+            assumed_release=assumed,
+            unpublished=_unpublished(engine, release, variant) if assumed is None else None,
         )
 
     entry = release.images[variant]  # type: ignore[index]

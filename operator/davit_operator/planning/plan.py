@@ -14,7 +14,12 @@ from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog, Health
 from davit_operator.planning.args import ENGINE_PORT, EngineInvocation, engine_invocation
 from davit_operator.planning.args import served_name as _served_name
-from davit_operator.planning.capabilities import check_capabilities, tensor_limit
+from davit_operator.planning.capabilities import (
+    check_capabilities,
+    tensor_limit,
+    with_alternatives,
+)
+from davit_operator.planning.errors import PlanError
 from davit_operator.planning.image import ResolvedImage, resolve_image
 from davit_operator.planning.memory import (
     MemoryPlan,
@@ -76,7 +81,10 @@ def make_plan(
     image = resolve_image(spec, catalog)
     check_capabilities(spec, catalog)
     check_fp8_accelerator(spec, catalog)
-    runner = select_runner(spec, catalog, image.variant)
+    try:
+        runner = select_runner(spec, catalog, image.variant)
+    except PlanError as refused:
+        raise with_alternatives(refused, spec, catalog) from None
     speculative = spec.features.speculative
     if speculative is not None and speculative.verification == "FLy":
         # A lossy policy is never silent: the RunnerSelected condition says so.
@@ -87,9 +95,9 @@ def make_plan(
             "output may differ from the model's own",
         )
     engine = catalog.engines.engines[spec.engine.type]
-    release = engine.release(image.engine_version)
+    release = engine.facts_for(image.engine_version)
     assert release is not None
-    invocation = engine_invocation(spec, engine, runner, len(release.runners))
+    invocation = engine_invocation(spec, engine, release, runner)
     placement = plan_placement(spec, catalog)
     estimate = preflight(
         spec, shapes or default_shapes(), spec.accelerator.product, tensor_limit(spec, catalog)

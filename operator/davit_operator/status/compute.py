@@ -19,6 +19,7 @@ from davit_operator.api.status import (
     RUNNER_SELECTED,
     SCHEDULABLE,
     STALLED,
+    UNCATALOGUED,
     ArtifactStatus,
     InferenceServiceStatus,
     RunnerStatus,
@@ -62,6 +63,31 @@ def conditions_for(
             f"{plan.runner.name.upper()}: {plan.runner.reason}",
         ),
     ]
+    if image.assumed_release is not None:
+        conds.append(
+            ConditionState(
+                UNCATALOGUED,
+                "True",
+                "NewerThanCatalog",
+                f"{image.engine_type} {image.engine_version} is not in catalog "
+                f"{image.catalog_version} (the newest {image.engine_type} release there is "
+                f"{image.assumed_release}); it runs engine.image {image.reference} with the "
+                f"runner rules, arguments and limits of {image.assumed_release}, which are "
+                f"assumed, not verified against {image.engine_version}'s artifact",
+            )
+        )
+    if image.unpublished is not None:
+        conds.append(
+            ConditionState(
+                UNCATALOGUED,
+                "True",
+                "VariantNotPublished",
+                f"catalog {image.catalog_version}: {image.engine_type} {image.unpublished}; "
+                f"engine.image {image.reference} runs in its place with the runner rules, "
+                f"arguments and limits of {image.engine_type} {image.engine_version}, which are "
+                "assumed, not verified against that image",
+            )
+        )
     if plan.fit.fits is False:
         conds.append(ConditionState(SCHEDULABLE, "False", "NoNodeFits", plan.fit.message))
         return [

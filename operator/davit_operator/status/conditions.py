@@ -20,6 +20,7 @@ from davit_operator.api.status import (
     RUNNER_SELECTED,
     SCHEDULABLE,
     STALLED,
+    UNCATALOGUED,
     Condition,
     ConditionStatus,
 )
@@ -30,6 +31,7 @@ CONDITION_ORDER = (
     RECONCILING,
     STALLED,
     IMAGE_RESOLVED,
+    UNCATALOGUED,
     RUNNER_SELECTED,
     SCHEDULABLE,
     MODEL_READY,

@@ -30,9 +30,10 @@ CATALOG = load_catalog()
 PACKAGED = Path(load_catalog.__code__.co_filename).parent
 DAVIT_0_1 = CATALOG.engines.engines["davit"].release("0.1.0")
 VLLM_ANY = "or serve it with engine.type: vllm and engine.version >= 0.28.0"
-# Sequence parallelism, dual-batch overlap and elastic expert parallelism need runner V1 on vLLM,
-# which 0.32.0 removed.
-VLLM_V1 = "or serve it with engine.type: vllm and engine.version 0.28.0 to 0.31.0"
+# vLLM's compilation pass config has no sequence-parallelism key from 0.32.0 on.
+VLLM_SP = "or serve it with engine.type: vllm and engine.version 0.28.0 to 0.31.0"
+# medusa is no speculative method of vLLM from 0.33.0 on.
+VLLM_MEDUSA = "or serve it with engine.type: vllm and engine.version 0.28.0 to 0.32.0"
 
 
 def plan(spec: InferenceServiceSpec, catalog: Catalog = CATALOG) -> Plan:
@@ -93,19 +94,21 @@ def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
             {"parallelism": {"expert": {"enabled": True, "elastic": True}}},
             "parallelism.expert.enabled",
             True,
-            ["parallelism.expert.elastic", "remove parallelism.expert.elastic", VLLM_V1],
+            # Elastic expert parallelism: V1 on vLLM 0.28-0.31 (by itself), V2 from 0.32.
+            ["parallelism.expert.elastic", "remove parallelism.expert.elastic", VLLM_ANY],
         ),
         (
             {"parallelism": {"expert": {"enabled": True}, "dualBatchOverlap": True}},
             "parallelism.expert.enabled",
             True,
-            ["parallelism.dualBatchOverlap", "remove parallelism.dualBatchOverlap", VLLM_V1],
+            # Dual-batch overlap: V1 on vLLM 0.28-0.33 (by itself), the only runner V2 in 0.34.
+            ["parallelism.dualBatchOverlap", "remove parallelism.dualBatchOverlap", VLLM_ANY],
         ),
         (
             {"parallelism": {"tensor": 2, "sequenceParallelism": True}},
             "parallelism.tensor",
             2,
-            ["parallelism.sequenceParallelism", VLLM_V1],
+            ["parallelism.sequenceParallelism", VLLM_SP],
         ),
         (
             {"features": {"speculative": {"method": "eagle", "numSpeculativeTokens": 3}}},
@@ -119,11 +122,11 @@ def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
             ],
         ),
         (
-            # medusa needs runner V1 on vLLM: only the releases that still have it serve it.
+            # medusa runs on runner V1 of vLLM 0.28-0.32 and is gone from 0.33.
             {"features": {"speculative": {"method": "medusa"}}},
             "features.speculative.method",
             "medusa",
-            ["features.speculative.method medusa", VLLM_V1],
+            ["features.speculative.method medusa", VLLM_MEDUSA],
         ),
     ],
 )
@@ -241,7 +244,11 @@ def test_a_newer_release_of_the_same_engine_is_offered_first(tmp_path: Path) -> 
     def add_release(data: dict[str, Any]) -> None:
         releases = data["engines"]["davit"]["releases"]
         newer = {**releases[0], "version": "0.2.0", "tag": "0.2.0", "title": "0.2.0"}
-        newer["capabilities"] = {"maxTensorParallel": 8, "expertParallel": False}
+        newer["capabilities"] = {
+            "maxTensorParallel": 8,
+            "expertParallel": False,
+            "unsupportedFeatures": ["sequenceParallelism"],
+        }
         newer["images"] = {
             variant: {**entry, "tag": entry["tag"].replace("0.1.0", "0.2.0")}
             if entry.get("tag")

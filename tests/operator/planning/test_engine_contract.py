@@ -71,10 +71,6 @@ def test_davit_serve_parses_the_operator_arguments(overrides: dict[str, object])
             "--enable-expert-parallel",
         ),
         (
-            {"parallelism": {"tensor": 2, "sequenceParallelism": True}},
-            "--tensor-parallel-size",
-        ),
-        (
             {
                 "features": {
                     "speculative": {
@@ -131,7 +127,9 @@ def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
             make_plan("svc", "ns", spec, CATALOG)
         assert refused.value.reason == "UnsupportedByEngine"
         engine = CATALOG.engines.engines["davit"]
-        args = engine_invocation(spec, engine, SelectedRunner("v2", "", False), 2).args
+        release = engine.release("0.1.0")
+        assert release is not None
+        args = engine_invocation(spec, engine, release, SelectedRunner("v2", "", False)).args
     else:
         plan = make_plan("svc", "ns", spec, CATALOG)
         args = plan.invocation.args
@@ -162,3 +160,19 @@ def test_every_flag_the_operator_emits_for_davit_parses_or_is_refused_by_name(
         parse_args(args)
     assert exc.value.code == 2
     assert f"argument {refused_flag}:" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_has_no_davit_flag() -> None:
+    """davit 0.1.0 records no sequence-parallelism setting: planning refuses the spec and the
+    argument builder itself refuses to write a flag for it, naming the field."""
+    spec = make_spec(parallelism={"tensor": 2, "sequenceParallelism": True})
+    with pytest.raises(PlanError) as refused:
+        make_plan("svc", "ns", spec, CATALOG)
+    assert refused.value.reason == "UnsupportedByEngine"
+    engine = CATALOG.engines.engines["davit"]
+    release = engine.release("0.1.0")
+    assert release is not None
+    with pytest.raises(PlanError) as builder:
+        engine_invocation(spec, engine, release, SelectedRunner("v2", "", False))
+    assert builder.value.field == "parallelism.sequenceParallelism"
+    assert "has no sequence-parallelism setting" in builder.value.message

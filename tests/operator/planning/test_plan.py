@@ -49,35 +49,43 @@ def test_nothing_special_selects_v2() -> None:
 def test_custom_logits_processor_on_davit_falls_back_to_v1() -> None:
     p = plan(make_spec(features={"customLogitsProcessors": ["my.pkg:Bias"]}))
     assert p.runner.name == "v1" and p.runner.deprecated
-    assert "features.customLogitsProcessors is not supported by runner V2" in p.runner.reason
-    assert "falling back to V1" in p.runner.reason
+    assert p.runner.reason == (
+        "features.customLogitsProcessors (custom logits processors) is not supported by runner "
+        "V2 of davit 0.1.0; falling back to V1 (deprecated)"
+    )
     args = p.invocation.args
     assert args[args.index("--logits-processors") + 1] == "my.pkg:Bias"
     assert args[-2:] == ["--runner", "v1"]
 
 
-def test_custom_logits_processor_on_vllm_033_is_refused() -> None:
-    err = refusal(
+def test_custom_logits_processor_on_vllm_033_runs_on_v2() -> None:
+    """vLLM 0.31.0 and later build custom logits processors in runner V2 (evidence: they left
+    the release's V2-unsupported list)."""
+    p = plan(
         make_spec(
             engine={"type": "vllm", "version": "0.33.0"},
             features={"customLogitsProcessors": ["my.pkg:Bias"]},
         )
     )
-    assert err.field == "features.customLogitsProcessors"
-    assert err.reason == "NoRunnerSupports" and err.condition == "RunnerSelected"
-    assert "runner V1 was removed in vllm 0.32.0" in err.message
-    assert "pin engine.version <= 0.31.0" in err.message
+    assert p.runner.name == "v2" and not p.runner.is_fallback
+    args = p.invocation.args
+    assert args[args.index("--logits-processors") + 1] == "my.pkg:Bias"
 
 
-def test_custom_logits_processor_on_vllm_031_uses_deprecated_v1() -> None:
+def test_custom_logits_processor_on_vllm_030_goes_to_v1_by_itself() -> None:
     p = plan(
         make_spec(
-            engine={"type": "vllm", "version": "0.31.0"},
+            engine={"type": "vllm", "version": "0.30.0"},
             features={"customLogitsProcessors": ["my.pkg:Bias"]},
         )
     )
-    assert p.runner.name == "v1" and "(deprecated)" in p.runner.reason
-    assert {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"} in p.invocation.env
+    assert p.runner.name == "v1" and p.runner.is_fallback
+    assert p.runner.reason == (
+        "features.customLogitsProcessors (custom logits processors) is not supported by runner "
+        "V2 of vllm 0.30.0; the release falls back to V1 by itself (deprecated)"
+    )
+    # The release decides by itself: the operator sets no runner variable with engine.runner auto.
+    assert all(e["name"] != "VLLM_USE_V2_MODEL_RUNNER" for e in p.invocation.env)
     assert "--runner" not in p.invocation.args
 
 
@@ -123,9 +131,9 @@ def test_cuda129_on_vllm_032_is_published_but_not_recorded() -> None:
 
 
 def test_unknown_version_lists_known_ones() -> None:
-    err = refusal(make_spec(engine={"type": "vllm", "version": "0.34.0"}))
+    err = refusal(make_spec(engine={"type": "vllm", "version": "0.33.1"}))
     assert err.field == "engine.version" and err.reason == "UnknownVersion"
-    assert "0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0" in err.message
+    assert "0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, 0.34.0" in err.message
 
 
 def test_vllm_033_records_exact_tag_and_title() -> None:
@@ -138,9 +146,16 @@ def test_vllm_033_records_exact_tag_and_title() -> None:
     assert all(e["name"] != "VLLM_USE_V2_MODEL_RUNNER" for e in p.invocation.env)
 
 
-def test_vllm_028_defaults_to_v1() -> None:
+def test_vllm_028_defaults_to_v2_for_dense_models() -> None:
+    """The 0.28.0 wheel picks V2 unless the model is outside its default-V2 set, which only the
+    release can tell: status says so."""
     p = plan(make_spec(engine={"type": "vllm", "version": "0.28.0"}))
-    assert p.runner.name == "v1" and p.runner.reason == "V1 is the default runner of vllm 0.28.0"
+    assert p.runner.name == "v2"
+    assert p.runner.reason == (
+        "V2 is the default runner of vllm 0.28.0; vllm 0.28.0 may still pick V1 by itself for "
+        "models outside its default-V2 set (MoE architectures it does not list, hybrid, "
+        "attention-free and pooling models)"
+    )
 
 
 def test_strict_policy_refuses_unpinned_images() -> None:
@@ -161,8 +176,15 @@ def test_strict_policy_refuses_unpinned_images() -> None:
 
 
 def test_forced_runners() -> None:
-    err = refusal(make_spec(engine={"type": "vllm", "version": "0.33.0", "runner": "v1"}))
-    assert err.reason == "RunnerUnavailable" and "removed in vllm 0.32.0" in err.message
+    err = refusal(make_spec(engine={"type": "vllm", "version": "0.34.0", "runner": "v1"}))
+    assert (err.field, err.value, err.reason) == ("engine.runner", "v1", "RunnerUnavailable")
+    assert err.message == (
+        "engine.runner v1: vllm 0.34.0 no longer ships runner V1; V1 was last shipped in 0.33.0: "
+        "pin engine.version <= 0.33.0, or set engine.runner: auto"
+    )
+    forced = plan(make_spec(engine={"type": "vllm", "version": "0.33.0", "runner": "v1"}))
+    assert forced.runner.reason == "engine.runner is v1 (VLLM_USE_V2_MODEL_RUNNER=0)"
+    assert {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"} in forced.invocation.env
     err = refusal(
         make_spec(engine={"runner": "v2"}, features={"customLogitsProcessors": ["a.b:C"]})
     )
@@ -174,18 +196,24 @@ def test_forced_runners() -> None:
 
 def test_davit_on_cpu_and_rocm_uses_v1() -> None:
     p = plan(make_spec(accelerator={"vendor": "cpu", "product": None}))
-    assert (
-        p.runner.name == "v1" and "the cpu variant is not supported by runner V2" in p.runner.reason
+    assert p.runner.name == "v1"
+    assert p.runner.reason.startswith(
+        "the cpu variant (runner V2 runs on NVIDIA GPUs only) is not supported by runner V2"
     )
     assert p.image.tag == "0.1.0-cpu"
     p = plan(make_spec(accelerator={"vendor": "amd", "product": None}))
     assert p.image.variant == "rocm" and p.runner.name == "v1"
 
 
-def test_speculative_method_without_runner_is_refused() -> None:
+MEDUSA = {"speculative": {"method": "medusa", "draftModel": "org/medusa-heads"}}
+
+
+def test_speculative_method_the_release_lacks_is_refused() -> None:
     err = refusal(make_spec(engine=VLLM_033, features={"speculative": {"method": "medusa"}}))
-    assert err.reason == "NoRunnerSupports" and err.field == "features.speculative.method"
-    assert "pin engine.version <= 0.31.0" in err.message
+    assert err.reason == "UnsupportedByEngine" and err.field == "features.speculative.method"
+    assert "or serve it with engine.version 0.28.0 to 0.32.0" in err.message
+    p = plan(make_spec(engine={**VLLM_033, "version": "0.32.0"}, features=MEDUSA))
+    assert p.runner.name == "v1" and "(speculative method 'medusa')" in p.runner.reason
 
 
 def test_ngram_speculative_arguments() -> None:
@@ -319,25 +347,21 @@ def test_fit_unknown_without_nodes() -> None:
     assert plan(make_spec()).fit.fits is True
 
 
-def test_rocm_model_rules_from_catalog_data(tmp_path: Path) -> None:
-    source = Path(load_catalog.__code__.co_filename).parent
-    data = yaml.safe_load((source / "engines.yaml").read_text())
-    data["engines"]["vllm"]["runners"]["v2"]["unsupportedModelsByVariant"] = {"rocm": ["*/*mamba*"]}
-    (tmp_path / "engines.yaml").write_text(yaml.safe_dump(data))
-    (tmp_path / "accelerators.yaml").write_text((source / "accelerators.yaml").read_text())
-    catalog = load_catalog(tmp_path)
-    spec = {
-        "model": {"source": "hf://state-spaces/mamba2-2.7b", "revision": "main"},
-        "accelerator": {"vendor": "amd", "product": None},
-    }
-    old = plan(make_spec(engine={"type": "vllm", "version": "0.31.0"}, **spec), catalog)
-    assert old.runner.name == "v1" and "mamba2-2.7b on rocm is not supported" in old.runner.reason
-    err = refusal(make_spec(engine={"type": "vllm", "version": "0.33.0"}, **spec), catalog)
-    assert err.field == "model.source" and "removed in vllm 0.32.0" in err.message
-    cuda = plan(
-        make_spec(engine={"type": "vllm", "version": "0.33.0"}, model=spec["model"]), catalog
-    )
-    assert cuda.runner.name == "v2"
+def test_rocm_model_rules_are_named_not_guessed() -> None:
+    """vLLM 0.29.0 to 0.31.0 pick V1 by themselves on ROCm for architectures they list; the
+    operator cannot see the architecture, so status names the rule instead of guessing."""
+    rocm = {"accelerator": {"vendor": "amd", "product": None}}
+    for version in ("0.29.0", "0.30.0", "0.31.0"):
+        p = plan(make_spec(engine={"type": "vllm", "version": version}, **rocm))
+        assert p.runner.name == "v2"
+        assert p.runner.reason.endswith(
+            f"vllm {version} may still pick V1 by itself for the architectures it lists in "
+            "ROCM_DEFAULT_MRV1_ARCHITECTURES"
+        )
+        cuda = plan(make_spec(engine={"type": "vllm", "version": version}))
+        assert cuda.runner.reason == f"V2 is the default runner of vllm {version}"
+    p = plan(make_spec(engine=VLLM_033, **rocm))
+    assert p.runner.reason == "V2 is the default runner of vllm 0.33.0"
 
 
 EXPECTED = {
@@ -364,7 +388,7 @@ def test_catalog_digest_pins_the_image(tmp_path: Path) -> None:
     source = Path(load_catalog.__code__.co_filename).parent
     data = yaml.safe_load((source / "engines.yaml").read_text())
     digest = "sha256:" + "b" * 64
-    data["engines"]["vllm"]["releases"][-1]["images"]["cuda13.0"]["digest"] = digest
+    data["engines"]["vllm"]["releases"][-2]["images"]["cuda13.0"]["digest"] = digest
     (tmp_path / "engines.yaml").write_text(yaml.safe_dump(data))
     (tmp_path / "accelerators.yaml").write_text((source / "accelerators.yaml").read_text())
     catalog = load_catalog(tmp_path)

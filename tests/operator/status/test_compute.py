@@ -159,3 +159,47 @@ def test_engine_names_the_release_the_spec_describes() -> None:
             )
         )
         assert status["engine"] == expected, engine
+
+
+def test_an_override_of_an_unpublished_variant_is_served_with_a_warning() -> None:
+    """engine.image bypasses the catalog's address, not its facts: the pods run the override,
+    and the status says the release it describes never published that variant."""
+    spec = make_spec(
+        engine={
+            "type": "vllm",
+            "version": "0.33.0",
+            "variant": "cuda12.9",
+            "image": "registry.example/vllm-openai:cu129-build",
+        }
+    )
+    plan = make_plan("svc", "ns", spec, CATALOG)
+    status = _written(
+        compute_status(
+            plan=plan, error=None, deployment=_deployment(1), old_status={}, generation=1, now=T0
+        )
+    )
+    conds = _conds(status)
+    warning = conds["Uncatalogued"]
+    assert (warning["status"], warning["reason"]) == ("True", "VariantNotPublished")
+    assert "vllm 0.33.0 never published the cuda12.9 variant" in warning["message"]
+    assert "last published in 0.32.0" in warning["message"]
+    assert "registry.example/vllm-openai:cu129-build" in warning["message"]
+    assert conds["Ready"]["status"] == "True"  # it serves; the warning says on what
+    assert status["engine"] == "vllm 0.33.0"
+    assert status["artifact"]["source"] == "override"
+    published = make_spec(
+        engine={"type": "vllm", "version": "0.33.0", "image": "registry.example/vllm:x"}
+    )
+    conds = _conds(
+        _written(
+            compute_status(
+                plan=make_plan("svc", "ns", published, CATALOG),
+                error=None,
+                deployment=_deployment(1),
+                old_status={},
+                generation=1,
+                now=T0,
+            )
+        )
+    )
+    assert "Uncatalogued" not in conds

@@ -148,7 +148,8 @@ def test_contract_results_agree_with_the_static_reading(version: str) -> None:
     for line in contract.command_lines:
         unknown = [a for a in line.args if a.startswith("--") and not flags.flags[a].exists]
         assert line.static_check.unknown_flags == unknown
-        if not contract.checked:
+        if not contract.checked or not line.args:
+            # Not run, or an empty line (the operator's builder refuses the spec there).
             assert line.parsed is None and line.error is None
             continue
         assert line.parsed is not None
@@ -161,3 +162,24 @@ def test_contract_results_agree_with_the_static_reading(version: str) -> None:
         if line.parsed:
             assert line.engine_args is not None
             assert set(line.values) - {"model_tag"} <= set(line.args)
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_pass_config_and_probes_agree(version: str) -> None:
+    """The sequence-parallelism key the tool names is a bool field of PassConfig, and the
+    release's parser accepts exactly that candidate key."""
+    evidence = _load(version)
+    pass_config, contract = evidence.pass_config, evidence.contract
+    assert pass_config is not None and contract is not None
+    fields = {f.name: f for f in pass_config.fields}
+    key = pass_config.sequence_parallelism_key
+    if key is not None:
+        assert "bool" in fields[key].annotation
+        assert fields[key].doc.lower().startswith("enable sequence parallelism")
+    probes = {line.name: line for line in contract.command_lines if line.name.startswith("probe:")}
+    assert probes, "the probes of the candidate keys are recorded"
+    for name, line in probes.items():
+        probed = name.removeprefix("probe:pass_config.")
+        if contract.checked:
+            assert line.parsed == (probed == key), name
+        assert bool(line.static_check.unknown_json_keys) == (probed not in fields), name

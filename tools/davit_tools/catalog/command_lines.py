@@ -1,11 +1,18 @@
-"""The operator's vLLM command lines, produced by the operator's own planner.
+"""The command lines checked against one vLLM release: the operator's, and probes of the release.
 
-One command line per example in `examples/*.yaml` (an example written for the Davit engine is
-planned as `engine.type: vllm`) and per typed feature (each branch of the operator's argument
-builder, each speculative method of the API). The planner (`make_plan`) is used where it
-accepts the spec under the current catalog; where it refuses (a feature the catalog says no
-runner of that release serves), the command line is the one the argument builder would write
-(`engine_invocation`, as the engine contract test does), and the refusal is recorded with it.
+The operator's: one per example in `examples/*.yaml` and one per typed feature (each branch of
+the operator's argument builder, each speculative method of the API), every one planned by the
+operator's own planner as `engine.type: vllm` at the release under check (the arguments and the
+runner variable depend on the release). Where the planner refuses the spec, the line is the one
+the argument builder writes for that release (`engine_invocation`, as the engine contract test
+does), with the refusal recorded; where the builder itself refuses (a setting the release does
+not have), the line is empty. `tests/tools/catalog/test_command_lines.py` checks that these
+lines still equal the committed evidence, so a change to the operator's arguments shows up as a
+stale evidence file until the tool is run again.
+
+Probes, set by hand to record what the release does with a setting whatever the operator emits:
+the runner variable at each value (`switch:`), and each candidate sequence-parallelism key of
+the compilation pass config (`probe:`).
 
 All imports of the operator are here, so a change of its layout touches one module.
 """
@@ -13,6 +20,7 @@ All imports of the operator are here, so a change of its layout touches one modu
 from __future__ import annotations
 
 import copy
+import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +38,23 @@ from davit_operator.planning.runner import SelectedRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES_DIR = REPO_ROOT / "examples"
-# Typed features are planned against this catalog release; the argument builder reads no
-# engine version, so the command line is the same for every release.
-PLANNED_VERSION = "0.33.0"
 BASE: dict[str, Any] = {
     "model": {"source": "hf://Qwen/Qwen3-8B", "revision": "main"},
-    "engine": {"type": "vllm", "version": PLANNED_VERSION},
+    "engine": {"type": "vllm"},
     "accelerator": {"vendor": "nvidia", "product": "NVIDIA-H200"},
 }
+SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
+# Sequence-parallelism keys of the compilation pass config that some release used or that the
+# operator once emitted.
+PASS_CONFIG_KEYS = ("enable_sp", "enable_sequence_parallelism")
 
 
 @dataclass(frozen=True)
 class CommandLine:
-    """A named operator command line: `args` after the command (`vllm serve`), the container
-    env the planner sets (for a refused spec the builder's env without a runner variable; for a
-    forced runner the builder's env with it), and the planner's verdict under the current
-    catalog (`accepted`, or `refused: Reason: message`)."""
+    """A named command line: `args` after the command (`vllm serve`; empty when the operator's
+    builder refuses the spec for the release), the container env (what the operator sets, or
+    the probe's variable), and the planner's verdict under the current catalog (`accepted`,
+    `refused: Reason: message`, or `not planned` for a probe)."""
 
     name: str
     origin: str
@@ -118,50 +127,82 @@ def typed_features() -> dict[str, dict[str, Any]]:
 
 def _plan(name: str, origin: str, spec: InferenceServiceSpec, catalog: Catalog) -> CommandLine:
     engine = catalog.engines.engines[spec.engine.type]
+    release = engine.facts_for(spec.engine.version)
+    if release is None:
+        raise ValueError(f"{name}: {spec.engine.version} is not a release in the catalog")
     forced = spec.engine.runner
-    runner = SelectedRunner("v2" if forced == "auto" else forced, "", False)
+    runner = SelectedRunner(release.default_runner if forced == "auto" else forced, "", False)
     try:
         plan = make_plan("evidence", "default", spec, catalog)
     except PlanError as refused:
-        # One release runner: the builder adds no runner variable (phase B decides that).
-        invocation = engine_invocation(spec, engine, runner, 1)
         verdict = f"refused: {refused.reason}: {refused}"
+        try:
+            invocation = engine_invocation(spec, engine, release, runner)
+        except PlanError:
+            return CommandLine(name, origin, list(engine.command), [], {}, verdict)
     else:
         invocation = plan.invocation
         verdict = "accepted"
-    if forced != "auto":
-        # A forced runner: the variable the builder sets while it believes the release still
-        # has two runners, so every release's handling of it is on record.
-        invocation = engine_invocation(spec, engine, runner, 2)
     env = {e["name"]: str(e.get("value", "")) for e in invocation.env if "value" in e}
     return CommandLine(name, origin, list(invocation.command), list(invocation.args), env, verdict)
 
 
+def _spec(name: str, overrides: dict[str, Any], version: str) -> InferenceServiceSpec:
+    document = _merge(BASE, {"engine": {"version": version}})
+    try:
+        return InferenceServiceSpec.model_validate(_merge(document, overrides))
+    except ValidationError as invalid:
+        raise ValueError(f"{name}: the spec is not valid: {invalid}") from invalid
+
+
+def probe_lines(version: str, catalog: Catalog) -> list[CommandLine]:
+    """The release's handling of the runner variable at each value, and of each candidate
+    sequence-parallelism key, on the plain typed-feature line."""
+    plain = _plan("plain", "", _spec("plain", {}, version), catalog)
+    lines = [
+        CommandLine(
+            f"switch:{SWITCH}={value}",
+            "the runner variable, set by hand: does the release read it, refuse it, ignore it",
+            plain.command,
+            plain.args,
+            {**plain.env, SWITCH: value},
+            "not planned",
+        )
+        for value in ("0", "1")
+    ]
+    tp2 = _plan("tp2", "", _spec("tp2", {"parallelism": {"tensor": 2}}, version), catalog)
+    for key in PASS_CONFIG_KEYS:
+        config = json.dumps({"pass_config": {key: True}}, sort_keys=True, separators=(",", ":"))
+        lines.append(
+            CommandLine(
+                f"probe:pass_config.{key}",
+                "a sequence-parallelism key, set by hand: does the release's parser accept it",
+                tp2.command,
+                [*tp2.args, "--compilation-config", config],
+                tp2.env,
+                "not planned",
+            )
+        )
+    return lines
+
+
 def operator_command_lines(
-    examples_dir: Path = EXAMPLES_DIR, catalog: Catalog | None = None
+    version: str, examples_dir: Path = EXAMPLES_DIR, catalog: Catalog | None = None
 ) -> list[CommandLine]:
-    """Every example's and every typed feature's vLLM command line, examples first."""
+    """Every example's and every typed feature's vLLM command line planned at `version`
+    (examples first), then the probes."""
     catalog = catalog or load_catalog()
     lines: list[CommandLine] = []
     for path in sorted(examples_dir.glob("*.yaml")):
         document = yaml.safe_load(path.read_text())
-        spec = document["spec"]
-        origin = f"examples/{path.name}"
-        if spec["engine"]["type"] != "vllm":
-            spec = _merge(spec, {"engine": {"type": "vllm", "version": PLANNED_VERSION}})
-            origin += " (planned as engine.type vllm)"
-        lines.append(
-            _plan(
-                f"example:{path.stem}", origin, InferenceServiceSpec.model_validate(spec), catalog
-            )
-        )
+        example = _merge(document["spec"], {"engine": {"type": "vllm", "version": version}})
+        origin = f"examples/{path.name} (planned as engine.type vllm {version})"
+        spec = InferenceServiceSpec.model_validate(example)
+        lines.append(_plan(f"example:{path.stem}", origin, spec, catalog))
     for name, overrides in typed_features().items():
-        try:
-            spec = InferenceServiceSpec.model_validate(_merge(BASE, overrides))
-        except ValidationError as invalid:
-            raise ValueError(f"typed feature {name}: the spec is not valid: {invalid}") from invalid
+        spec = _spec(f"typed feature {name}", overrides, version)
         lines.append(_plan(f"feature:{name}", "typed feature", spec, catalog))
-    return lines
+    return lines + probe_lines(version, catalog)
 
 
 def emitted_flags(lines: list[CommandLine]) -> list[str]:

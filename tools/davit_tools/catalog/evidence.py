@@ -1,7 +1,8 @@
 """`python -m davit_tools.catalog.evidence VERSION... [--wheel-dir DIR] [--out DIR]`
 
 For each vLLM release: open its wheel (downloaded without dependencies into the wheel cache
-when missing), read the facts (`runners`, `features`, `flags`, `build`), run the contract check
+when missing), read the facts (`runners`, `features`, `flags`, `passconfig`, `build`), plan the
+operator's command lines for that release (`command_lines`), run the contract check
 (`parser_check`, unless `--no-parser-check`), and write `vllm-VERSION.json` (sorted keys) into
 the evidence folder. A version the index has no wheel for gets a file saying so.
 """
@@ -59,6 +60,7 @@ def release_evidence(
         "summary": summarize(selection, lists, guards),
         "flags": sections.flag_lookup(wheel, emitted_flags(lines)),
         "speculativeMethods": sections.speculative_methods(wheel),
+        "passConfig": sections.pass_config(wheel),
         "build": sections.build_facts(wheel),
         "contract": contract_section(wheel, lines, check),
     }
@@ -85,6 +87,7 @@ def unpublished(version: str) -> Evidence:
             "summary": None,
             "flags": None,
             "speculativeMethods": None,
+            "passConfig": None,
             "build": None,
             "contract": None,
         }
@@ -112,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the contract check (no environment is built; lines get parsed: null)",
     )
     args = parser.parse_args(argv)
-    lines = operator_command_lines()
     failed: list[str] = []
     for version in args.versions:
+        lines = operator_command_lines(version)
         try:
             wheel = open_release(args.wheel_dir, version)
         except ReleaseNotPublished as missing:

@@ -14,7 +14,8 @@ needs no model and no device, and runs the release's check of the process enviro
 (`validate_environ`, the first step of its engine-config construction) with the operator's
 `VLLM_*` variables for the line. OUT gets, per name: `parsed` (bool), `error` (argparse's
 message or the exception), the parsed value of each flag on the line (`values`),
-`engine_args` and `environ` (ok or the error). A missing module stops everything and is reported as {"missing_module": name}.
+`engine_args` and `environ` (ok or the error); an empty line gets `parsed: null`. A missing
+module stops everything and is reported as {"missing_module": name}.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def _environ(namespace: Any, env: dict[str, str], engine_args: Any) -> str:
 
 
 def check(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    if not args:  # the operator emits no line for this release (its builder refuses the spec)
+        return {"parsed": None, "error": None}
     from vllm.entrypoints.cli import main as cli_main
     from vllm.entrypoints.cli import serve
 

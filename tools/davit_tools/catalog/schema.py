@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 Sha256 = Field(pattern=r"^[a-f0-9]{64}$")
 
 
@@ -222,6 +222,26 @@ class SpeculativeMethods(_Data):
     verified: Literal[True]
 
 
+class PassConfigField(_Data):
+    name: str
+    annotation: str
+    line: int
+    doc: str
+
+
+class PassConfig(_Data):
+    """The compilation pass config's fields (`--compilation-config '{"pass_config": ...}'`), each
+    with the first sentence of its docstring; `sequenceParallelismKey` is the bool field whose
+    docstring begins with "Enable sequence parallelism" (the tool's reading), null when none."""
+
+    class_name: str
+    line: int
+    fields: list[PassConfigField]
+    sequence_parallelism_key: str | None
+    source: str
+    verified: Literal[True]
+
+
 class NativeLibrary(_Data):
     member: str
     cudart_major: int | None
@@ -275,7 +295,10 @@ class StaticCheck(_Data):
 
 
 class CommandLineResult(_Data):
-    """One operator command line and what the release's own CLI made of it."""
+    """One command line and what the release's own CLI made of it: the operator's (`example:`,
+    `feature:`; `args` empty where the operator's argument builder itself refuses the spec for
+    this release) or a probe of the release (`switch:`, `probe:`). An empty line is not parsed
+    (`parsed: null`)."""
 
     name: str
     origin: str
@@ -306,7 +329,7 @@ class Contract(_Data):
 
 
 class Evidence(_Data):
-    schema_version: Literal[1]
+    schema_version: Literal[2]
     engine: Literal["vllm"]
     version: str = Field(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$")
     published: bool
@@ -322,5 +345,6 @@ class Evidence(_Data):
     summary: Summary | None
     flags: Flags | None
     speculative_methods: SpeculativeMethods | None
+    pass_config: PassConfig | None
     build: Build | None
     contract: Contract | None

@@ -1,7 +1,8 @@
 """The evidence file's sections read from one wheel, as the plain data the schema validates.
 
 One builder per section (`artifact`, `runner_classes`, `switch`, `selection`, `feature_lists`,
-`guards`, `platform_predicates`, `flag_lookup`, `speculative_methods`, `build_facts`); each
+`guards`, `platform_predicates`, `flag_lookup`, `speculative_methods`, `pass_config`,
+`build_facts`); each
 names the file inside the wheel it read (`source`) and marks the facts `verified`.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from davit_tools.catalog import build, features, flags, runners
+from davit_tools.catalog import build, features, flags, passconfig, runners
 from davit_tools.catalog.command_lines import operator_speculative_methods
 from davit_tools.catalog.summary import list_role
 from davit_tools.catalog.wheel import ReleaseWheel
@@ -195,6 +196,24 @@ def speculative_methods(wheel: ReleaseWheel) -> dict[str, object] | None:
         "known": sorted(known),
         "operator": {m: m in known for m in operator_speculative_methods()},
         "source": SPECULATIVE,
+        "verified": True,
+    }
+
+
+def pass_config(wheel: ReleaseWheel) -> dict[str, object] | None:
+    found = passconfig.config_fields(wheel, passconfig.CLASS)
+    if found is None:
+        return None
+    path, line, fields = found
+    return {
+        "className": passconfig.CLASS,
+        "line": line,
+        "fields": [
+            {"name": f.name, "annotation": f.annotation, "line": f.line, "doc": f.doc}
+            for f in fields
+        ],
+        "sequenceParallelismKey": passconfig.sequence_parallelism_key(fields),
+        "source": path,
         "verified": True,
     }
 
