@@ -70,6 +70,11 @@ NOT_EVALUATED = {
     "multimodal tower and connector LoRA": "the operator never sets it",
 }
 
+# What the contract check records for a line whose VLLM_* variables the release accepts: "ok"
+# from the release's own validate_environ, or, for releases without one (0.28.0 to 0.30.0),
+# that there is nothing to check.
+ENVIRON_PASSED = ("ok", "no environment validation in this release")
+
 
 @cache
 def evidence(version: str) -> Evidence:
@@ -134,7 +139,7 @@ def test_runners_and_the_switch(version: str) -> None:
         assert found.switch.declared and "maybe_convert_bool" in str(found.switch.parse)
         assert entry.runner_switch.values == {"v1": "0", "v2": "1"}
         for value in ("0", "1"):
-            assert probes[f"switch:{SWITCH}={value}"].environ == "ok"
+            assert probes[f"switch:{SWITCH}={value}"].environ in ENVIRON_PASSED
     else:
         # 0.34.0: no decision, the variable is no longer declared; =0 is refused, =1 accepted.
         assert found.selection.method is None and not found.switch.declared
@@ -255,4 +260,4 @@ def test_every_operator_line_parses_with_the_release(version: str) -> None:
         assert line.parsed, (line.name, line.error)
         assert line.engine_args == "ok", (line.name, line.engine_args)
         if line.planner == "accepted":
-            assert line.environ == "ok", (line.name, line.environ)
+            assert line.environ in ENVIRON_PASSED, (line.name, line.environ)
