@@ -8,6 +8,16 @@ the kubeconfig of a running cluster (for example the one printed by
 
 from __future__ import annotations
 
+import os
+
+# Before anything imports torch or a kernel module, whichever folder is collected first: OpenMP
+# spin-waiting slows multi-threaded torch ops on shared cores, and Triton picks its interpreter
+# when a kernel module is imported, so a CPU-only machine must choose it here (an e2e or tools
+# module collected before tests/engine may import the engine's kernels).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import re
 import time
 import uuid

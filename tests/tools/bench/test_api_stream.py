@@ -30,7 +30,10 @@ def test_api_stream_bench_counts_every_token(
     assert results["tokens"] == 8 * 9
     assert 1 <= results["tokens_per_event"] <= 9
     assert results["tokens_per_s"] > 0 and results["api_cpu_s"] >= 0
-    assert 0 <= results["itl_ms_p50"] <= results["itl_ms_p99"]
+    if results["tokens_per_event"] < 9:
+        assert 0 <= results["itl_ms_p50"] <= results["itl_ms_p99"]
+    else:  # a loaded machine can deliver each request's tokens in one event: no gap to time
+        assert results["itl_ms_p50"] is None and results["itl_ms_p99"] is None
     assert report["config"]["client"] == client
     assert report["config"]["placement"].startswith("not pinned")
 
