@@ -158,7 +158,8 @@ def test_examples_become_ready_on_matching_nodes(
     pdb = get_json(kube_cluster, "get", "pdb", "qwen3-8b", "-n", kube_namespace)
     assert pdb["spec"]["maxUnavailable"] == 1
     table = kube_cluster.kubectl("get", "infsvc", "-n", kube_namespace).stdout
-    assert "vllm v0.33.0rc3" in table and "2x NVIDIA-H200" in table and "2/2" in table
+    # ENGINE is the release the spec describes; the tag (v0.33.0rc3) is in status.artifact.
+    assert "vllm 0.33.0" in table and "2x NVIDIA-H200" in table and "2/2" in table
 
 
 def test_runner_selection_and_refusals(
@@ -181,9 +182,12 @@ def test_runner_selection_and_refusals(
                 merge(H200_SPEC, {"engine": {**vllm033["engine"], "variant": "cuda12.9"}}),
             ),
             isvc("tp2-davit", merge(H200_SPEC, {"parallelism": {"tensor": 2}})),
+            isvc("tp16-davit", merge(H200_SPEC, {"parallelism": {"tensor": 16}})),
         ],
     )
-    ready = wait_ready(kube_cluster, kube_namespace, ["plain", "logits-davit", "logits-vllm"])
+    ready = wait_ready(
+        kube_cluster, kube_namespace, ["plain", "logits-davit", "logits-vllm", "tp2-davit"]
+    )
     assert ready["plain"]["status"]["runner"] == {
         "name": "v2",
         "reason": "V2 is the default runner of davit 0.1.0",
@@ -194,6 +198,9 @@ def test_runner_selection_and_refusals(
         "features.customLogitsProcessors (custom logits processors) is not supported by runner V2"
     )
     assert condition(ready["logits-davit"], "RunnerSelected")["reason"] == "Fallback"
+    # The Davit engine's tensor parallelism runs on its runner V1.
+    assert ready["tp2-davit"]["status"]["runner"]["name"] == "v1"
+    assert "tensor parallelism" in ready["tp2-davit"]["status"]["runner"]["reason"]
     # vLLM 0.33.0's runner V2 builds custom logits processors itself (its wheel says so).
     assert ready["logits-vllm"]["status"]["runner"] == {
         "name": "v2",
@@ -211,14 +218,14 @@ def test_runner_selection_and_refusals(
     assert "cuda12.9" in message and "last published in 0.32.0" in message
     assert condition(stalled, "ImageResolved")["status"] == "False"
 
-    # The Davit engine 0.1.0 runs one GPU per replica: refused before any pod, vLLM offered.
-    stalled = wait_condition(kube_cluster, kube_namespace, "tp2-davit", "Stalled", "True")
+    # The Davit engine 0.1.0 runs up to 8 GPUs per replica: refused before any pod, vLLM offered.
+    stalled = wait_condition(kube_cluster, kube_namespace, "tp16-davit", "Stalled", "True")
     refusal = condition(stalled, "Stalled")
     assert refusal["reason"] == "UnsupportedByEngine"
-    assert "davit 0.1.0 does not support parallelism.tensor 2 (at most 1)" in refusal["message"]
+    assert "davit 0.1.0 does not support parallelism.tensor 16 (at most 8)" in refusal["message"]
     assert "engine.type: vllm and engine.version >= 0.28.0" in refusal["message"]
     assert condition(stalled, "Ready")["status"] == "False"
-    for refused in ("v1-vllm-034", "cuda129-vllm", "tp2-davit"):
+    for refused in ("v1-vllm-034", "cuda129-vllm", "tp16-davit"):
         missing = kube_cluster.kubectl(
             "get", "deployment", refused, "-n", kube_namespace, check=False
         )
@@ -228,7 +235,7 @@ def test_runner_selection_and_refusals(
     warnings = {e["involvedObject"]["name"]: e["reason"] for e in events if e["type"] == "Warning"}
     assert warnings.get("v1-vllm-034") == "RunnerUnavailable"
     assert warnings.get("cuda129-vllm") == "VariantNotPublished"
-    assert warnings.get("tp2-davit") == "UnsupportedByEngine"
+    assert warnings.get("tp16-davit") == "UnsupportedByEngine"
 
     # Fixing the spec recovers without restarting anything.
     apply_yaml(kube_cluster, kube_namespace, [isvc("cuda129-vllm", merge(H200_SPEC, vllm033))])
@@ -243,7 +250,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("variant", {"engine": {"variant": "cuda11.8"}}, 'Unsupported value: "cuda11.8"'),
     ("vendor", {"accelerator": {"vendor": "qualcomm"}}, 'Unsupported value: "qualcomm"'),
     ("version format", {"engine": {"version": "latest"}}, "spec.engine.version"),
-    ("model scheme", {"model": {"source": "s3://bucket/model"}}, "spec.model.source"),
+    ("model scheme", {"model": {"source": "gs://bucket/model"}}, "spec.model.source"),
     ("hf revision", {"model": {"revision": None}}, "model.revision is required for hf://"),
     ("negative replicas", {"replicas": -1}, "spec.replicas"),
     ("gpu memory", {"limits": {"gpuMemoryUtilization": 1.5}}, "spec.limits.gpuMemoryUtilization"),
@@ -430,7 +437,7 @@ def test_more_gpus_than_any_node_explains_itself(
     apply_yaml(
         kube_cluster,
         kube_namespace,
-        # vLLM: the Davit engine 0.1.0 refuses tensor parallelism before placement.
+        # vLLM: the Davit engine 0.1.0 refuses more than 8 ranks before placement.
         [
             isvc(
                 "huge",

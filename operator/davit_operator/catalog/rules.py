@@ -52,6 +52,8 @@ Condition = Literal[
     "speculativeDecoding",  # features.speculative set
     "speculativeMethod",  # features.speculative.method in `methods`
     "lora",  # --enable-lora in engine.extraArgs (the API has no LoRA field)
+    "kvCacheOffloading",  # features.kvCacheOffloading set
+    "fp8",  # engine.quantization fp8 or engine.kvCacheDtype fp8
     "model",  # the model's architecture: unknown to the operator, never true
 ]
 

@@ -82,6 +82,15 @@ def _condition(
         return on, "features.speculative.method", method, f"features.speculative.method {method}"
     if condition == "lora":
         return has_lora(spec), "engine.extraArgs", LORA_FLAG, f"engine.extraArgs {LORA_FLAG}"
+    if condition == "kvCacheOffloading":
+        field = "features.kvCacheOffloading"
+        return spec.features.kv_cache_offloading is not None, field, True, field
+    if condition == "fp8":
+        engine = spec.engine
+        if engine.quantization == "fp8":
+            return True, "engine.quantization", "fp8", "engine.quantization fp8"
+        on = engine.kv_cache_dtype == "fp8"
+        return on, "engine.kvCacheDtype", engine.kv_cache_dtype, "engine.kvCacheDtype fp8"
     return False, "model.source", spec.model.source, "the model"  # model: never known here
 
 

@@ -59,12 +59,12 @@ def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
     ("overrides", "field", "value", "says"),
     [
         (
-            {"parallelism": {"tensor": 2}},
+            {"parallelism": {"tensor": 16}, "accelerator": {"count": 16}},
             "parallelism.tensor",
-            2,
+            16,
             [
-                "davit 0.1.0 does not support parallelism.tensor 2 (at most 1)",
-                "set parallelism.tensor to 1 and scale out with replicas",
+                "davit 0.1.0 does not support parallelism.tensor 16 (at most 8)",
+                "set parallelism.tensor to at most 8",
                 VLLM_ANY,
             ],
         ),
@@ -105,9 +105,12 @@ def catalog_with(tmp_path: Path, edit: Any) -> Catalog:
             ["parallelism.dualBatchOverlap", "remove parallelism.dualBatchOverlap", VLLM_ANY],
         ),
         (
-            {"parallelism": {"tensor": 2, "sequenceParallelism": True}},
-            "parallelism.tensor",
-            2,
+            {
+                "parallelism": {"tensor": 2, "sequenceParallelism": True},
+                "accelerator": {"count": 2},
+            },
+            "parallelism.sequenceParallelism",
+            True,
             ["parallelism.sequenceParallelism", VLLM_SP],
         ),
         (
@@ -148,24 +151,31 @@ def test_refusal_is_not_a_runner_choice() -> None:
     """A forced runner does not get around the engine's own limits (the engine refuses the flag
     under both runners)."""
     for runner in ("v1", "v2"):
-        err = refusal(make_spec(engine={"runner": runner}, parallelism={"tensor": 2}))
+        err = refusal(
+            make_spec(
+                engine={"runner": runner},
+                parallelism={"tensor": 16},
+                accelerator={"count": 16},
+            )
+        )
         assert err.reason == "UnsupportedByEngine" and err.field == "parallelism.tensor"
 
 
 def test_every_shortfall_is_named_once() -> None:
     err = refusal(
         make_spec(
-            parallelism={"tensor": 2, "pipeline": 2},
+            parallelism={"tensor": 16, "pipeline": 2},
+            accelerator={"count": 32},
             features={"speculative": {"method": "mtp"}},
         )
     )
     assert err.field == "parallelism.tensor"
     assert err.message.startswith(
-        "davit 0.1.0 does not support parallelism.tensor 2 (at most 1), parallelism.pipeline 2 "
+        "davit 0.1.0 does not support parallelism.tensor 16 (at most 8), parallelism.pipeline 2 "
         "(at most 1), features.speculative.method mtp (speculative methods: ngram, "
         "draft_model); "
     )
-    assert err.message.count("set parallelism.tensor to 1") == 1
+    assert err.message.count("set parallelism.tensor to at most 8") == 1
 
 
 @pytest.mark.parametrize(
@@ -207,14 +217,14 @@ def test_vllm_keeps_serving_them(overrides: dict[str, Any]) -> None:
 
 
 def test_refusal_stalls_the_inference_service() -> None:
-    err = refusal(make_spec(parallelism={"tensor": 2}))
+    err = refusal(make_spec(parallelism={"tensor": 16}, accelerator={"count": 16}))
     status = compute_status(
         plan=None, error=err, deployment=None, old_status={}, generation=3, now="t"
     )
     conds = {c.type: c for c in status.conditions}
     assert conds["Stalled"].status == "True"
     assert conds["Stalled"].reason == "UnsupportedByEngine"
-    assert "parallelism.tensor 2" in conds["Stalled"].message
+    assert "parallelism.tensor 16" in conds["Stalled"].message
     assert conds["Ready"].status == "False"
     assert conds["Reconciling"].status == "False"
 
@@ -245,7 +255,7 @@ def test_a_newer_release_of_the_same_engine_is_offered_first(tmp_path: Path) -> 
         releases = data["engines"]["davit"]["releases"]
         newer = {**releases[0], "version": "0.2.0", "tag": "0.2.0", "title": "0.2.0"}
         newer["capabilities"] = {
-            "maxTensorParallel": 8,
+            "maxTensorParallel": 16,
             "expertParallel": False,
             "unsupportedFeatures": ["sequenceParallelism"],
         }
@@ -258,7 +268,7 @@ def test_a_newer_release_of_the_same_engine_is_offered_first(tmp_path: Path) -> 
         releases.append(newer)
 
     catalog = catalog_with(tmp_path, add_release)
-    err = refusal(make_spec(parallelism={"tensor": 2}), catalog)
+    err = refusal(make_spec(parallelism={"tensor": 16}, accelerator={"count": 16}), catalog)
     assert "or serve it with engine.version >= 0.2.0 or engine.type: vllm" in err.message
     # 0.2.0 still records no expert parallelism: only vLLM is offered for it.
     err = refusal(make_spec(parallelism={"expert": {"enabled": True}}), catalog)
@@ -323,3 +333,34 @@ def test_the_davit_catalog_entry_matches_the_engine_refusals() -> None:
         with pytest.raises(ParamError) as err:
             check_speculative_config(config)
         assert f"method {method}" in str(err.value)
+
+
+def test_davit_tensor_parallelism_runs_on_runner_v1() -> None:
+    """Davit 0.1.0 serves parallelism.tensor up to 8 on runner V1 (its V2 has no tensor
+    parallelism): auto falls back and says why, a forced V2 is refused, and the combinations
+    its V1 refuses with several ranks (KV offload tiers, FP8) are refused by field."""
+    p = plan(make_spec(parallelism={"tensor": 2}, accelerator={"count": 2}))
+    assert p.runner.name == "v1" and p.runner.is_fallback
+    assert "tensor parallelism" in p.runner.reason
+    assert p.placement.accelerator_count == 2
+    args = p.invocation.args
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--runner") + 1] == "v1"
+    err = refusal(
+        make_spec(engine={"runner": "v2"}, parallelism={"tensor": 2}, accelerator={"count": 2})
+    )
+    assert err.field == "parallelism.tensor" and "tensor parallelism" in err.message
+    err = refusal(
+        make_spec(
+            parallelism={"tensor": 2},
+            accelerator={"count": 2},
+            features={"kvCacheOffloading": {"cpu": {"size": "4Gi"}}},
+        )
+    )
+    assert "features.kvCacheOffloading" in err.message
+    err = refusal(
+        make_spec(
+            parallelism={"tensor": 2}, accelerator={"count": 2}, engine={"kvCacheDtype": "fp8"}
+        )
+    )
+    assert "engine.kvCacheDtype" in err.message
