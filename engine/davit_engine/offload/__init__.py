@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from davit_contract.kv_offload import disk_file_bytes
 from davit_engine.config import EngineConfig
 from davit_engine.offload.block_image import BlockImage
-from davit_engine.offload.disk import HEADER_BYTES, DiskIndex
+from davit_engine.offload.disk import DiskIndex
 from davit_engine.offload.host_pool import HostPool
 from davit_engine.offload.identity import identity_digest, kv_identity
 from davit_engine.offload.mover import CudaMover, Mover, chunk_blocks, staging_blocks
@@ -89,7 +90,7 @@ def build_tiers(
             identity,
             digest,
             config.kv_offload_disk_bytes,
-            HEADER_BYTES + block_bytes,
+            disk_file_bytes(block_bytes),
         )
     tiers = KvTiers(mover, pool, config.block_size, cpu_blocks, disk)
     tiers.info = offload_info(config, tiers, digest, bounce)

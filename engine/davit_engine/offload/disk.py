@@ -31,11 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from davit_contract.kv_offload import DISK_FILE_HEADER_BYTES
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DAVITKV\x00"
 _HEADER = struct.Struct("<8sI16s16sQI")  # magic, format, identity, block hash, length, crc32
-HEADER_BYTES = 64
+HEADER_BYTES = DISK_FILE_HEADER_BYTES
 SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
 # Warnings about one kind of failure are logged at most this often (a dying disk would

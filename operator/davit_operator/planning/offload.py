@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from davit_contract.kv_offload import disk_file_bytes
 from davit_operator.api.spec import InferenceServiceSpec, positive_bytes
 from davit_operator.catalog.loader import EngineInfo
 from davit_operator.planning.errors import PlanError
@@ -22,8 +23,6 @@ OFFLOAD_VOLUME = "kv-offload"
 # system's own overhead and files being written, so an emptyDir never exceeds its sizeLimit
 # (the kubelet evicts a pod that does).
 DISK_SHARE = 0.9
-# Bytes of one file's header beside the block (davit_engine.offload.disk).
-FILE_HEADER_BYTES = 64
 
 
 def cpu_bytes(spec: InferenceServiceSpec) -> int:
@@ -97,5 +96,5 @@ def tier_tokens(
     cpu, disk = cpu_bytes(spec), disk_bytes(spec)
     return (
         cpu // block_bytes * block_size if cpu else None,
-        disk // (block_bytes + FILE_HEADER_BYTES) * block_size if disk else None,
+        disk // disk_file_bytes(block_bytes) * block_size if disk else None,
     )
