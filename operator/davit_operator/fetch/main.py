@@ -187,17 +187,7 @@ def fetch_hub(args: argparse.Namespace, tracker: Tracker) -> FetchResult:
         entry.write_ref()
     finally:
         source.close()
-    result = FetchResult(
-        source=args.source,
-        revision=args.revision,
-        commit=commit,
-        path=str(entry.directory.relative_to(args.cache)),
-        bytes_total=total,
-        bytes_fetched=fetched,
-        files=[record_of(f) for f in files],
-    )
-    mark_complete(args.cache, entry.key, result)
-    return result
+    return _complete(args, entry, commit, total, fetched, files)
 
 
 def fetch_s3(args: argparse.Namespace, tracker: Tracker) -> FetchResult:
@@ -225,10 +215,22 @@ def fetch_s3(args: argparse.Namespace, tracker: Tracker) -> FetchResult:
         shutil.rmtree(entry.partial_directory, ignore_errors=True)
     finally:
         source.close()
+    return _complete(args, entry, version, total, fetched, files)
+
+
+def _complete(
+    args: argparse.Namespace,
+    entry: Entry,
+    commit: str,
+    total: int,
+    fetched: int,
+    files: Sequence[RemoteFile],
+) -> FetchResult:
+    """The entry's result, recorded as complete in the cache."""
     result = FetchResult(
         source=args.source,
         revision=args.revision,
-        commit=version,
+        commit=commit,
         path=str(entry.directory.relative_to(args.cache)),
         bytes_total=total,
         bytes_fetched=fetched,
