@@ -43,8 +43,21 @@ class OperatorOptions:
     fetch: FetchSettings = FetchSettings()
 
 
-def _by_owner(
-    namespace: str | None, labels: kopf.Labels, body: kopf.Body
+# The kinds the operator creates, each indexed by its owning InferenceService under this id
+# (the reconciler reads the indexes by id). The routing kinds come from optional CRDs: kopf
+# watches them once they are installed.
+CHILD_INDEXES: dict[str, tuple[str, ...]] = {
+    "deployment_index": ("apps", "v1", "deployments"),
+    "service_index": ("v1", "services"),
+    "pdb_index": ("policy", "v1", "poddisruptionbudgets"),
+    "hpa_index": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "pool_index": ("inference.networking.k8s.io", "v1", "inferencepools"),
+    "route_index": ("gateway.networking.k8s.io", "v1", "httproutes"),
+}
+
+
+def _child_index(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[ObjectKey, KubeObject] | None:
     """A child under the InferenceService its instance label names."""
     owner = labels.get(INSTANCE_LABEL)
@@ -105,72 +118,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         if runtime is not None:
             await runtime.kube.close()
 
-    @kopf.index(
-        "apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry, id="deployment_index"
-    )
-    def deployment_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
-
-    @kopf.index("v1", "services", labels=CHILD_LABELS, registry=registry, id="service_index")
-    def service_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
-
-    @kopf.index(
-        "policy",
-        "v1",
-        "poddisruptionbudgets",
-        labels=CHILD_LABELS,
-        registry=registry,
-        id="pdb_index",
-    )
-    def pdb_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
-
-    @kopf.index(
-        "autoscaling",
-        "v2",
-        "horizontalpodautoscalers",
-        labels=CHILD_LABELS,
-        registry=registry,
-        id="hpa_index",
-    )
-    def hpa_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
-
-    # The routing kinds come from optional CRDs: kopf watches them once they are installed.
-    @kopf.index(
-        "inference.networking.k8s.io",
-        "v1",
-        "inferencepools",
-        labels=CHILD_LABELS,
-        registry=registry,
-        id="pool_index",
-    )
-    def pool_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
-
-    @kopf.index(
-        "gateway.networking.k8s.io",
-        "v1",
-        "httproutes",
-        labels=CHILD_LABELS,
-        registry=registry,
-        id="route_index",
-    )
-    def route_index(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[ObjectKey, KubeObject] | None:
-        return _by_owner(namespace, labels, body)
+    for index_id, child_kind in CHILD_INDEXES.items():
+        kopf.index(*child_kind, labels=CHILD_LABELS, registry=registry, id=index_id)(_child_index)
 
     @kopf.index("v1", "nodes", registry=registry, id="node_index")
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
