@@ -20,7 +20,8 @@ import yaml
 from davit_operator.api.crdgen import default_crd_path
 from tests.support import reference_gguf
 
-from .kubelet import EngineKubelet
+from .kubelet import EngineKubelet, host_path_claim
+from .sources import free_port
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster
@@ -57,15 +58,6 @@ class E2E:
         return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     gguf = reference_gguf()
@@ -85,31 +77,7 @@ def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
         "wait", "--for=condition=Established", "crd/inferenceservices.serving.davit.dev"
     )
     kube_cluster.kubectl("create", "namespace", namespace)
-    volume = [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadOnlyMany"],
-                "storageClassName": "",
-                "hostPath": {"path": str(models)},
-                "claimRef": {"namespace": namespace, "name": CLAIM},
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": CLAIM, "namespace": namespace},
-            "spec": {
-                "accessModes": ["ReadOnlyMany"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-    ]
+    volume = host_path_claim(pv, namespace, CLAIM, models, "1Gi", "ReadOnlyMany")
     kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(volume))
     deadline = time.monotonic() + 60
     while (
@@ -124,7 +92,7 @@ def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
         time.sleep(0.2)
 
     kubelet = EngineKubelet(kube_cluster.kubeconfig, NODE, logs).start()
-    liveness = _free_port()
+    liveness = free_port()
     operator_log = (logs / "operator.log").open("ab")
     operator = subprocess.Popen(
         [
@@ -137,7 +105,7 @@ def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
             "--kubeconfig",
             str(kube_cluster.kubeconfig),
             "--metrics-port",
-            str(_free_port()),
+            str(free_port()),
             "--liveness",
             f"http://127.0.0.1:{liveness}/healthz",
             "--drift-interval",

@@ -51,6 +51,38 @@ HEARTBEAT_SECONDS = 5.0
 POLL_SECONDS = 0.3
 
 
+def host_path_claim(
+    pv: str, namespace: str, claim: str, path: Path, size: str, access_mode: str
+) -> list[dict[str, Any]]:
+    """A PersistentVolume on a host folder (this stand-in mounts hostPath volumes as they are)
+    bound in advance to the claim `claim` in `namespace`, and that claim."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": [access_mode],
+                "storageClassName": "",
+                "hostPath": {"path": str(path)},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {
+                "accessModes": [access_mode],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": size}},
+            },
+        },
+    ]
+
+
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -29,9 +29,10 @@ import yaml
 
 from davit_operator.api.crdgen import default_crd_path
 
-from .kubelet import EngineKubelet
+from .kubelet import EngineKubelet, host_path_claim
 from .model_store import REPO_ID, smollm2_safetensors
 from .sources import HubMirror, S3Server, free_port
+from .waiting import wait_until
 
 if TYPE_CHECKING:
     from davit_tools.devcluster import LocalCluster
@@ -68,15 +69,7 @@ class Delivery:
         return obj
 
     def wait(self, what: str, probe: Callable[[], Any], timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = probe()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                log = (self.logs / "operator.log").read_text(errors="replace")[-5000:]
-                raise AssertionError(f"{what}: not within {timeout} s\noperator log:\n{log}")
-            time.sleep(0.5)
+        return wait_until(what, probe, timeout, self.logs / "operator.log")
 
     def fetch_jobs(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self.kubectl_json(
@@ -186,31 +179,7 @@ def env(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
         assert time.monotonic() < deadline, "the InferenceService CRD was not established"
         time.sleep(0.5)
     kube_cluster.kubectl("create", "namespace", namespace)
-    objects = [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "10Gi"},
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "hostPath": {"path": str(cache_dir)},
-                "claimRef": {"namespace": namespace, "name": CACHE_CLAIM},
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": CACHE_CLAIM, "namespace": namespace},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "10Gi"}},
-            },
-        },
-    ]
+    objects = host_path_claim(pv, namespace, CACHE_CLAIM, cache_dir, "10Gi", "ReadWriteMany")
     kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
     for secret, data in {
         "hf-creds": {"HF_TOKEN": HF_TOKEN},

@@ -8,7 +8,6 @@ from real engines and the drain really happens.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 
 from .conftest import E2E, base_spec, document
 from .traffic import Load, ServiceEndpoints
+from .waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -27,15 +27,7 @@ PROMPT = (
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float, e2e: E2E) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            log = (e2e.log_dir / "operator.log").read_text(errors="replace")[-4000:]
-            raise AssertionError(f"{what}: not within {timeout} s\noperator log:\n{log}")
-        time.sleep(0.5)
+    return wait_until(what, probe, timeout, e2e.log_dir / "operator.log")
 
 
 def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
