@@ -1,5 +1,12 @@
-"""The rounding every kernel that writes FP8 (e4m3) applies before its cast, and the
-Hadamard matrix the FP8 KV cache's keys are rotated with (`layers/fp8.py` says why).
+"""The rounding every kernel that writes FP8 (e4m3) applies before its cast, the Hadamard
+matrix the FP8 KV cache's keys are rotated with (`layers/fp8.py` says why), and the clamp of
+activations into fp16 for products with FP8 values.
+
+Reading FP8: kernels widen e4m3 with the hardware conversion (`.to(tl.float16)` /
+`.to(tl.float32)` of a float8e4nv tile; on sm_89+ one instruction turns a pair of e4m3 values
+into an fp16 pair, and fp16 to fp32 runs on the arithmetic pipe). An integer bit-placement
+widening was tried instead (exact, no conversion unit) and measured slower on the H200, in the
+matrix products and in attention alike (docs/bench-notes.md, after run 9).
 
 Why the kernels round by hand before casting: the cast must give the same bits on the GPU,
 under Triton's interpreter (which the CPU tests use) and in torch (`layers/fp8.py`, the
@@ -34,36 +41,27 @@ def round_to_e4m3(x):  # type: ignore[no-untyped-def]
 @triton.jit
 def hadamard_tile(DIM: tl.constexpr, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
     """The DIM x DIM Sylvester-Hadamard matrix, `(-1)^popcount(i & j)`, made in registers (no
-    memory read): the parity of `i & j` by folding its bits (DIM <= 256: 8 bits)."""
+    memory read): the parity of `i & j` by folding its bits (DIM <= 256: 8 bits), placed as the
+    sign bit of 1.0 (integer operations only: no int-to-float conversion per element)."""
     i = tl.arange(0, DIM)[:, None]
     j = tl.arange(0, DIM)[None, :]
     p = i & j
     p = p ^ (p >> 4)
     p = p ^ (p >> 2)
     p = p ^ (p >> 1)
-    return (1 - 2 * (p & 1)).to(DTYPE)
-
-
-@triton.jit
-def e4m3_to_f16_scaled(x):  # type: ignore[no-untyped-def]
-    """FP8 (e4m3) values `x`, as loaded from a float8_e4m3fn pointer, to float16 equal to
-    `x * 2^-8`, by moving their bits into place: no conversion instruction runs.
-
-    Why: Hopper converts FP8 to bf16 through fp16 and fp32 with conversion instructions that
-    issue at a quarter of the arithmetic rate, and a kernel that widens every weight or cached
-    key that way (a decode-time product, decode attention) becomes bound by them instead of by
-    memory (measured: the FP8 kernels ran slower than bf16 ones reading twice the bytes).
-    Sign to bit 15, exponent and mantissa to bits 7-13: an e4m3 number 2^(e-7) (1 + m/8) reads
-    as the fp16 number 2^(e-15) (1 + m/8), and e4m3 subnormals land on fp16 subnormals, so the
-    result is exact; callers fold the 2^8 into their scales.
-    """
-    u = x.to(tl.uint8, bitcast=True).to(tl.int16)
-    bits = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-    return bits.to(tl.float16, bitcast=True)
+    odd = p & 1
+    if tl.float32 == DTYPE:
+        return ((odd << 31) | 0x3F800000).to(tl.float32, bitcast=True)
+    elif tl.float16 == DTYPE:
+        return ((odd << 15) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+    elif tl.bfloat16 == DTYPE:
+        return ((odd << 15) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return (1 - 2 * odd).to(DTYPE)
 
 
 @triton.jit
 def to_f16_saturated(x):  # type: ignore[no-untyped-def]
-    """Activations to fp16 for a product with `e4m3_to_f16_scaled` values, clamped to fp16's
-    range (bf16 reaches further; a value beyond +-65504 would become infinite)."""
+    """Activations or queries to fp16 for a product with e4m3 values widened to fp16, clamped to
+    fp16's range (bf16 reaches further; a value beyond +-65504 would become infinite)."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)

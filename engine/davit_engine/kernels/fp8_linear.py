@@ -1,14 +1,15 @@
 """FP8-weight matrix products: `y = (x @ W_fp8^T) * w_scale (+ bias)`, and per-token FP8
 quantization of activations for the library's FP8 GEMM.
 
-Two kernels, each beside its plain-torch reference:
+Kernels, each beside its plain-torch reference:
 - `fp8_weight_matmul`: weights stored in FP8 with one scale per output channel (row of W),
-  activations not quantized. Each tile of W is widened exactly to fp16 in registers by moving
-  bits (`kernels/fp8.py` says why not by conversion) and multiplied on the matrix units with
-  the activations in fp16 (clamped to its range; fp32 activations stay fp32) and float32
-  accumulation; the channel scale applies once to the result. At a few rows (decode) the
-  product is bound by reading W, so this reads half the bytes of a bf16 weight and needs no
-  quantization of the activations.
+  activations not quantized. Up to `fp8_gemv.MAX_ROWS` rows (decode) it runs the
+  matrix-vector kernel of `kernels/fp8_gemv.py`, which streams W at memory bandwidth. Beyond,
+  a matrix-unit kernel: each tile of W is widened to fp16 with the hardware conversion (exact:
+  every e4m3 value is an fp16 value) and multiplied with the activations in fp16 (clamped to
+  its range; fp32 activations stay fp32) with float32 accumulation; the channel scale applies
+  once to the result. At a few rows the product is bound by reading W, so this reads half the
+  bytes of a bf16 weight and needs no quantization of the activations.
 - `quantize_rows`: x [M, K] -> FP8 rows and one float32 scale per row (`amax / 448`), for
   `torch._scaled_mm` at many rows (prefill), where FP8 matrix units double the rate.
 """
@@ -21,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import e4m3_to_f16_scaled, round_to_e4m3, to_f16_saturated
+from davit_engine.kernels import fp8_gemv
+from davit_engine.kernels.fp8 import round_to_e4m3, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
@@ -37,9 +39,9 @@ class MatmulConfig:
     num_stages: int
 
 
-# Few rows (decode): BLOCK_M is the smallest matrix-unit tile; long K tiles keep several of W's
-# bytes in flight per program. 32 columns per program: on the H200 at one row it beat 16 by
-# 1.4-2.2x at W2's four projection shapes (and 16 x 1024 with 8 warps), docs/bench-notes.md.
+# Few rows (past fp8_gemv.MAX_ROWS, up to 16): BLOCK_M is the smallest matrix-unit tile; long
+# K tiles keep several of W's bytes in flight per program. 32 columns per program: on the H200
+# at one row it beat 16 by 1.4-2.2x at W2's four projection shapes, docs/bench-notes.md run 9.
 SMALL_ROWS_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=512, num_warps=4, num_stages=4)
 # Many rows (prefill where the FP8 library GEMM is not used): a compute-shaped tile.
 LARGE_ROWS_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
@@ -88,13 +90,12 @@ def _fp8_weight_matmul_kernel(  # type: ignore[no-untyped-def]
         w = tl.load(
             w_rows + (k0 + ks)[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0
         )
-        # e4m3 * 2^-8 widens exactly to fp16 (and fp32): W adds no rounding of its own.
-        w = e4m3_to_f16_scaled(w)
+        # e4m3 widens exactly to fp16 (and fp32): W adds no rounding of its own.
         if F16_DOT:
-            acc = tl.dot(to_f16_saturated(x), w, acc)
+            acc = tl.dot(to_f16_saturated(x), w.to(tl.float16), acc)
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    scale = tl.load(scale_ptr + cols, mask=col_valid, other=0.0) * 256.0
+            acc = tl.dot(x, w.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + cols, mask=col_valid, other=0.0)
     acc = acc * scale[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
@@ -107,9 +108,15 @@ def fp8_weight_matmul(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
-    config: MatmulConfig | None = None,
+    config: MatmulConfig | fp8_gemv.GemvConfig | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`(x @ weight^T) * weight_scale + bias` with float32 accumulation."""
+    """`(x @ weight^T) * weight_scale + bias` with float32 accumulation: the matrix-vector
+    kernel up to `fp8_gemv.MAX_ROWS` rows (or when `config` is a `GemvConfig`), else the
+    matrix-unit kernel."""
+    if isinstance(config, fp8_gemv.GemvConfig) or (
+        config is None and x.shape[0] <= fp8_gemv.MAX_ROWS
+    ):
+        return fp8_gemv.fp8_gemv(x, weight, weight_scale, bias, config)
     num_rows, k = x.shape
     n = weight.shape[0]
     assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k

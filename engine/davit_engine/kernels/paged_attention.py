@@ -9,12 +9,13 @@ the key range is split over `num_splits` programs whose partial results a second
 by their log-sum-exp.
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
-widened exactly to fp16 by moving bits (`kernels/fp8.py` says why not by conversion), and the
-dot products run in fp16 with fp32 accumulation (the queries clamped into fp16's range; fp32
-models stay in fp32); the program's per-head scales apply once, to the scores (`k_scale`) and to
-the output (`v_scale`), since both are constant within a program (one KV head). Its keys are stored Hadamard-rotated, so each
-program rotates its query tile the same way (`q @ H`, the matrix made in registers) and divides
-the scores by the head dim (`H @ H^T = D * I`).
+widened exactly to fp16 with the hardware conversion (sm_89+: one instruction per pair of
+values; every e4m3 value is an fp16 value), and the dot products run in fp16 with fp32
+accumulation (the queries clamped into fp16's range; fp32 models stay in fp32). The program's
+per-head scales apply once, to the scores (`q.(s k) = s (q.k)`) and to the output (`v_scale`),
+since both are constant within a program (one KV head), never per element. Its keys are stored
+Hadamard-rotated, so each program rotates its query tile the same way (`q @ H`, the matrix made
+in registers) and divides the scores by the head dim (`H @ H^T = D * I`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import e4m3_to_f16_scaled, hadamard_tile, to_f16_saturated
+from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
@@ -99,14 +100,23 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             other=0.0,
         )
         q_pos = ctx_len + tok
-        if FP8:  # the per-head key scale (and the widening's 2^8) fold into the score scale
-            scale_log2 = scale_log2 * (tl.load(kv_scale_ptr + kv_head) * 256.0)
+        if FP8:  # the per-head key scale folds into the score scale
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
         if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
             q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
             q = q.to(q_ptr.dtype.element_ty)
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
         if F16_DOT:
             q = to_f16_saturated(q)
+        if FP8:
+            v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
+            # Each widened value is multiplied by a 1.0 the compiler cannot see (the scale is
+            # positive): without an arithmetic step between the widening and the product, the
+            # compiler stages V through shared memory as bytes and, since V's tile is transposed
+            # for the product, reads it back one byte per load; with it, V is widened in
+            # registers and transposed as fp16, as a bf16 cache is. The value scale itself
+            # applies once, to the output (an fp16 scale could underflow).
+            v_unit = (v_scale > 0.0).to(q.dtype)
 
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
@@ -141,8 +151,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
-            if FP8:  # e4m3 * 2^-8 widens exactly to fp16 (and on to fp32)
-                k = e4m3_to_f16_scaled(k).to(q.dtype)
+            if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
+                k = k.to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
@@ -157,15 +167,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
-            if FP8:
-                v = e4m3_to_f16_scaled(v).to(q.dtype)
+            if FP8:  # see v_unit above
+                v = v.to(q.dtype) * v_unit
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / l_safe[:, None]
         if FP8:
-            result = result * (tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head) * 256.0)
+            result = result * v_scale
         store_mask = row_valid[:, None] & dim_valid[None, :]
         if NUM_SPLITS == 1:
             o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh

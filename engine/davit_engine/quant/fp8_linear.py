@@ -4,8 +4,10 @@
 weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows and the device:
 
 - CUDA, at most `weight_only_max_rows` rows (decode at small batch): `fp8_weight_matmul`
-  (kernels/fp8_linear.py) widens W's tiles in registers; the activations stay as they are. The
-  step is bound by reading W, and no quantization kernel runs before the product.
+  (kernels/fp8_linear.py) widens W's tiles in registers; the activations stay as they are. Up
+  to `fp8_gemv.MAX_ROWS` rows that is a matrix-vector kernel streaming W at memory bandwidth
+  (kernels/fp8_gemv.py), beyond a matrix-unit kernel. The step is bound by reading W, and no
+  quantization kernel runs before the product.
 - CUDA, more rows, bf16 activations, compute capability 9.0+ and K, N multiples of 16 (the
   library's constraints): the activations are quantized per token (one scale per row, its
   absolute maximum over 448, computed on the fly) and `torch._scaled_mm` multiplies FP8 by FP8

@@ -22,7 +22,7 @@ def _round_kernel(x_ptr, out_ptr, N: tl.constexpr):  # type: ignore[no-untyped-d
 def _hadamard_kernel(out_ptr, DIM: tl.constexpr):  # type: ignore[no-untyped-def]
     i = tl.arange(0, DIM)[:, None]
     j = tl.arange(0, DIM)[None, :]
-    tl.store(out_ptr + i * DIM + j, hadamard_tile(DIM, tl.float32))
+    tl.store(out_ptr + i * DIM + j, hadamard_tile(DIM, out_ptr.dtype.element_ty))
 
 
 def test_rounding_matches_torch_cast(device: torch.device) -> None:
@@ -52,10 +52,11 @@ def test_rounding_matches_torch_cast(device: torch.device) -> None:
         assert (gap <= ref.float().abs()[differ] / 8 + 2**-9).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64, 128])
-def test_hadamard_tile_is_sylvester(device: torch.device, dim: int) -> None:
-    out = torch.empty(dim, dim, device=device)
+def test_hadamard_tile_is_sylvester(device: torch.device, dim: int, dtype: torch.dtype) -> None:
+    out = torch.empty(dim, dim, device=device, dtype=dtype)
     _hadamard_kernel[(1,)](out, DIM=dim)
     expected = hadamard(dim, device)
-    assert torch.equal(out, expected)
+    assert torch.equal(out.float(), expected)
     assert torch.equal(expected @ expected.t(), dim * torch.eye(dim, device=device))

@@ -5,10 +5,13 @@ memory check with an FP8 KV cache.
 
 Sections (each runs on its own; a failing one is reported and the next runs):
 - `tests`: the FP8 kernel and module tests with their `gpu` cases (pytest, on this GPU);
-- `gemm`: one projection at W2's shapes (Llama-3.1-8B: qkv, o, gate_up, down) and 1 / 16 / 256
-  rows, inside CUDA graphs with weights cycled beyond L2: the bf16 library GEMM, the FP8
-  weight-only Triton product (default tile and `--gemm-configs`), and per-token quantization +
-  `torch._scaled_mm`; each FP8 result's error against the dequantized product;
+- `gemm`: one projection at W2's shapes (Llama-3.1-8B: qkv, o, gate_up, down) and 1 / 2 / 4 /
+  8 / 16 / 256 rows, inside CUDA graphs with weights cycled beyond L2: the bf16 library GEMM,
+  the engine's default FP8 weight-only product, the matrix-vector kernel's tiles
+  (`--gemv-configs`, up to 8 rows), the matrix-unit kernel's tiles (`--gemm-configs`), and
+  per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
+  dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
+  names the fastest FP8 weight-only variant;
 - `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128) and W2's
   (B 1, context 1152, 32/8 x 128) over a bf16 and an FP8 cache (write included separately);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
@@ -73,6 +76,7 @@ def versions() -> dict[str, str]:
 TEST_PATHS = (
     "tests/engine/kernels/test_fp8.py",
     "tests/engine/kernels/test_fp8_linear.py",
+    "tests/engine/kernels/test_fp8_gemv.py",
     "tests/engine/kernels/test_kv_cache.py",
     "tests/engine/kernels/test_paged_attention.py",
     "tests/engine/quant/test_fp8_linear.py",
@@ -116,6 +120,25 @@ def _parse_configs(text: str) -> list[Any]:
     return configs
 
 
+def _parse_gemv_configs(text: str) -> list[Any]:
+    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K;...` -> GemvConfigs (SPLIT_K 0: the engine's choice)."""
+    from davit_engine.kernels.fp8_gemv import GemvConfig
+
+    configs = []
+    for item in filter(None, text.split(";")):
+        n, k, w, split = (int(v) for v in item.split("/"))
+        configs.append(GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split))
+    return configs
+
+
+def _label(cfg: Any) -> str:
+    from davit_engine.kernels.fp8_gemv import GemvConfig
+
+    if isinstance(cfg, GemvConfig):
+        return cfg.label
+    return f"triton_{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+
+
 def _weight_only(
     x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor], config: Any, i: int
 ) -> torch.Tensor:
@@ -126,10 +149,11 @@ def _weight_only(
 
 def _gemm_rows(
     name: str, bf16: list[torch.Tensor], fp8: list[torch.Tensor], scales: list[torch.Tensor],
-    rows: int, extra: list[Any],
+    rows: int, extra: list[Any], gemv: list[Any],
 ) -> dict[str, Any]:  # fmt: skip
     """One projection shape at `rows` rows: bf16 library GEMM, FP8 weight-only tiles, per-token
     quantization + torch._scaled_mm; weights cycled over the copies."""
+    from davit_engine.kernels import fp8_gemv
     from davit_engine.kernels.fp8_linear import (
         default_config,
         fp8_weight_matmul,
@@ -160,16 +184,31 @@ def _gemm_rows(
     row["bf16_us"] = round(
         graph_us(cycled(lambda i: torch.nn.functional.linear(x, bf16[i])), 20), 2
     )
-    ref = fp8_weight_matmul_reference(x, fp8[0], scales[0])
-    for cfg in [default_config(rows), *extra]:
-        label = f"triton_{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+    ref = fp8_weight_matmul_reference(x.float(), fp8[0], scales[0])
+    fp8_bytes = n * k + 4 * n
+    weight_only: dict[str, float] = {}
+    # past 16 rows the engine quantizes the activations and calls torch._scaled_mm (below)
+    candidates: list[tuple[str, Any]] = [("default", None)] if rows <= 16 else []
+    if rows <= 8:
+        candidates += [(_label(cfg), cfg) for cfg in gemv]
+    if fp8_gemv.MAX_ROWS < rows <= 16:
+        candidates += [(_label(default_config(rows)), default_config(rows))]
+    if rows <= 16:
+        candidates += [(_label(cfg), cfg) for cfg in extra]
+    for label, cfg in candidates:
         try:
             err = _rel_err(fp8_weight_matmul(x, fp8[0], scales[0], config=cfg), ref)
             us = graph_us(cycled(functools.partial(_weight_only, x, fp8, scales, cfg)), 20)
             row[label + "_us"] = round(us, 2)
+            row[label + "_tb_s"] = round(fp8_bytes / us / 1e6, 2)
             row[label + "_err"] = round(err, 5)
+            weight_only[label] = us
         except Exception as exc:  # a tile that does not compile here: report, go on
             row[label + "_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if weight_only:
+        best = min(weight_only, key=lambda key: weight_only[key])
+        row["best"] = best
+        row["best_us"] = round(weight_only[best], 2)
     try:
         row["scaled_mm_err"] = round(_rel_err(scaled(0), ref), 5)
         row["scaled_mm_us"] = round(graph_us(cycled(scaled), 20), 2)
@@ -182,6 +221,7 @@ def section_gemm(args: argparse.Namespace) -> None:
     from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
 
     extra = _parse_configs(args.gemm_configs)
+    gemv = _parse_gemv_configs(args.gemv_configs)
     for name, (n, k) in W2_SHAPES.items():
         copies = max(2, -(-400_000_000 // (n * k * 2)))  # bf16 copies well beyond L2
         bf16 = [
@@ -189,8 +229,9 @@ def section_gemm(args: argparse.Namespace) -> None:
         ]
         scales = [(w.float().abs().amax(dim=1) / FP8_MAX) for w in bf16]
         fp8 = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
-        for rows in (1, 16, 256):
-            record("gemm", **_gemm_rows(name, bf16, fp8, scales, rows, extra))
+        for rows in (int(r) for r in args.gemm_rows.split(",")):
+            gemm_row = _gemm_rows(name, bf16, fp8, scales, rows, extra, gemv)
+            record("gemm", **gemm_row)
         bf16.clear()
         fp8.clear()
         torch.cuda.empty_cache()
@@ -361,9 +402,24 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
 }
 
 
+_BRIEF = {
+    "gemm": ("shape", "rows", "bf16_us", "default_us", "default_tb_s", "best", "best_us",
+             "scaled_mm_us"),
+    "attention": ("shape", "batch", "context", "splits", "bf16_us", "fp8_us", "fp8_tb_s",
+                  "speedup"),
+    "w2": ("variant", "decode_tok_s", "floor_tok_s", "share_of_floor",
+           "tokens_equal_to_first_variant", "num_blocks"),
+    "w1": ("variant", "output_tok_s", "elapsed_s", "token_capacity"),
+}  # fmt: skip
+
+
 def _table() -> str:
     lines = []
     for row in ROWS:
+        if row["section"] in _BRIEF:
+            brief = ", ".join(f"{k}={row.get(k)}" for k in _BRIEF[row["section"]])
+            lines.append(f"{row['section']}: {brief}")
+            continue
         keys = [k for k in row if k not in ("section", "gpu", "torch", "triton", "rows")]
         brief = ", ".join(f"{k}={row[k]}" for k in keys[:14])
         lines.append(f"{row['section']}: {brief}")
@@ -375,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="tests,gemm,attention,w2,w1,memory")
     parser.add_argument("--w2-variants", default="bf16,fp8-both")
     parser.add_argument("--w1-variants", default="bf16,fp8-kv")
-    parser.add_argument("--gemm-configs", default="32/512/4/4;16/256/4/4;16/1024/8/3",
-                        help="extra weight-only tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
+    parser.add_argument("--gemm-configs", default="32/512/4/4",
+                        help="extra matrix-unit tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
+    parser.add_argument("--gemv-configs",
+                        default="8/512/4/0;16/512/4/0;8/1024/4/0;4/1024/4/0;16/1024/8/0;8/512/4/1",
+                        help="matrix-vector tiles: BLOCK_N/BLOCK_K/WARPS/SPLIT_K;... (0: auto)")  # fmt: skip
+    parser.add_argument("--gemm-rows", default="1,2,4,8,16,256")
     parser.add_argument("--copy-bw", type=float, default=4.24e12, help="bytes/s (run 2)")
     parser.add_argument("--memory-shapes", default="qwen3-0.6b:16384")
     parser.add_argument("--memory-batched-tokens", type=int, default=8192)

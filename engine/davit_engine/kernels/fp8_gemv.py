@@ -1,0 +1,239 @@
+"""FP8-weight products at a few rows (decode): `y = (x @ W_fp8^T) * w_scale (+ bias)` as a
+matrix-vector product that streams W once at memory bandwidth.
+
+At one to a few activation rows the product reads every weight once and does two operations
+per weight byte, so its floor is W's bytes over memory bandwidth. A matrix-unit tile would be
+at least 16 rows tall (15 of them padding at one row) and needs W's tile reshaped through
+shared memory; this kernel instead gives each program a [BLOCK_N, BLOCK_K] tile of W per step,
+loaded 16 bytes per thread, widens it to float32 with the hardware conversion (sm_89+: a pair
+of e4m3 values to an fp16 pair in one instruction, fp16 to fp32 on the arithmetic pipe) and
+multiplies it by the broadcast activation rows on the float32 units, accumulating element-wise
+in a [ROWS, BLOCK_N, BLOCK_K] float32 tile that is summed over K once, after the loop: one
+multiply-add per weight and row. A program takes up to `ROWS_PER_PROGRAM` rows; more rows
+re-read W once per group. When the columns alone give too few programs to fill the GPU
+(o_proj and down_proj at 4096 outputs), K is split over `split_k` programs whose float32
+partial sums a second kernel adds, scales and casts in a fixed order (deterministic).
+
+`w_scale` and the bias apply once per output. Activations are read in their own dtype (bf16,
+fp16 or fp32) and widened to float32, so the only rounding besides float32 summation is the
+final cast.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile and launch options of `fp8_gemv`. `split_k` 0: chosen from the shape and the GPU's
+    multiprocessor count (`default_split_k`)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int = 0
+
+    @property
+    def label(self) -> str:
+        split = f"s{self.split_k}" if self.split_k else "sauto"
+        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}"
+
+
+# One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
+# 65 registers, so several programs share a multiprocessor. Several rows: a narrower tile keeps
+# the [ROWS, BLOCK_N, BLOCK_K] accumulator (ROWS * 16 floats per thread) in registers.
+ONE_ROW_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
+FEW_ROWS_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=4)
+# Rows up to which `fp8_weight_matmul` uses this kernel (beyond: the matrix-unit kernel).
+MAX_ROWS = 4
+ROWS_PER_PROGRAM = 4
+# Programs per multiprocessor that `default_split_k` aims for.
+_PROGRAMS_PER_SM = 4
+
+
+def default_config(num_rows: int) -> GemvConfig:
+    return ONE_ROW_CONFIG if num_rows == 1 else FEW_ROWS_CONFIG
+
+
+@functools.cache
+def _multiprocessors(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 4  # the interpreter: small, so the tests exercise split K
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
+
+
+def default_split_k(n: int, k: int, config: GemvConfig, device: torch.device) -> int:
+    """Smallest power-of-two split of K giving about `_PROGRAMS_PER_SM` programs per
+    multiprocessor, keeping at least two K steps per split."""
+    programs = triton.cdiv(n, config.block_n)
+    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    steps = triton.cdiv(k, config.block_k)
+    split = 1
+    while programs * split < wanted and steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+@triton.jit
+def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < N
+    # Out-of-range columns read the last row of W (no mask: the loads stay 16 bytes wide) and
+    # are never stored.
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+    ks = tl.arange(0, BLOCK_K)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # x rows as a [.., BLOCK_N, BLOCK_K]-shaped broadcast: the compiler then reads each
+    # activation once per thread in the W tile's own layout (no shuffle through shared memory
+    # per step). Rows past num_rows read the last row and are never stored.
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    x_rows = x_ptr + (tl.minimum(rows, num_rows - 1).to(tl.int64) * stride_xm)[:, None, None]
+    x_rows = x_rows + (cols * 0)[None, :, None]  # [ROWS, BLOCK_N, 1]
+    # Products accumulate element-wise and are summed over K once, after the loop: one
+    # multiply-add per weight and row. (W is not prefetched into registers across steps: a
+    # loop-carried FP8 tile is kept as single bytes and repacked, which costs more than the
+    # overlap gains; other programs on the multiprocessor keep loads in flight.)
+    if ROWS == 1:  # 2-D: the compiler keeps x in W's layout (the 3-D form goes through smem)
+        x_row = x_ptr + (pid_m.to(tl.int64) * stride_xm + cols * 0)[:, None]  # [BLOCK_N, 1]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + ks
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
+                x = tl.load(x_row + kk[None, :])
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
+                x = tl.load(x_row + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + ks
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
+                x = tl.load(x_rows + kk[None, None, :])
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
+                x = tl.load(x_rows + kk[None, None, :], mask=kk[None, None, :] < k_end, other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+        total = tl.sum(acc, 2)  # [ROWS, BLOCK_N]
+    store_mask = (rows < num_rows)[:, None] & col_valid[None, :]
+    if SPLIT_K == 1:
+        out = total * tl.load(scale_ptr + cols, mask=col_valid, other=0.0)[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        dst = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:  # partial sums [SPLIT_K, num_rows, N]: _sum_splits_kernel finishes them
+        dst = part_ptr + (split * num_rows + rows.to(tl.int64))[:, None] * N + cols[None, :]
+        tl.store(dst, total, mask=store_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(  # type: ignore[no-untyped-def]
+    part_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < N
+    splits = tl.arange(0, SPLIT_K)
+    parts = tl.load(part_ptr + (splits[:, None] * num_rows + row) * N + cols[None, :],
+                    mask=valid[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(parts, 0) * tl.load(scale_ptr + cols, mask=valid, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [M, K], rows contiguous, M small (see MAX_ROWS)
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+    config: GemvConfig | None = None,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`(x @ weight^T) * weight_scale + bias` with float32 accumulation, any number of rows
+    (made for one to `MAX_ROWS`; W is read once per `ROWS_PER_PROGRAM` rows)."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n == 0:
+        return out
+    cfg = config or default_config(num_rows)
+    rows_per_program = min(triton.next_power_of_2(num_rows), ROWS_PER_PROGRAM)
+    split_k = cfg.split_k or default_split_k(n, k, cfg, x.device)
+    split_k = triton.next_power_of_2(max(1, min(split_k, triton.cdiv(k, cfg.block_k))))
+    # whole K steps per split, so that only the last split can end inside a step
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    part = (
+        torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device)
+        if split_k > 1
+        else out
+    )
+    launch = pdl_launch(x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(num_rows, rows_per_program))
+    _fp8_gemv_kernel[grid](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
+        num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=1, **launch,
+    )  # fmt: skip
+    if split_k > 1:
+        block = 512
+        _sum_splits_kernel[(triton.cdiv(n, block), num_rows)](
+            part, weight_scale, bias if bias is not None else weight_scale, out,
+            num_rows, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4, **launch,
+        )  # fmt: skip
+    return out
