@@ -49,9 +49,12 @@ class GemvConfig:
 
 
 # One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
-# 65 registers, so several programs share a multiprocessor. Several rows: a narrower tile keeps
-# the [ROWS, BLOCK_N, BLOCK_K] accumulator (ROWS * 16 floats per thread) in registers.
+# 65 registers, so several programs share a multiprocessor; at few output columns (o_proj and
+# down_proj at 4096) the same bytes as 4 x 1024, which gives twice the programs without a
+# second pass over split-K partial sums. Several rows: a narrower tile keeps the
+# [ROWS, BLOCK_N, BLOCK_K] accumulator (ROWS * 16 floats per thread) in registers.
 ONE_ROW_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
+ONE_ROW_NARROW_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4)
 FEW_ROWS_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=4)
 # Rows up to which `fp8_weight_matmul` uses this kernel (beyond: the matrix-unit kernel).
 MAX_ROWS = 4
@@ -60,8 +63,13 @@ ROWS_PER_PROGRAM = 4
 _PROGRAMS_PER_SM = 4
 
 
-def default_config(num_rows: int) -> GemvConfig:
-    return ONE_ROW_CONFIG if num_rows == 1 else FEW_ROWS_CONFIG
+def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
+    if num_rows > 1:
+        return FEW_ROWS_CONFIG
+    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted:
+        return ONE_ROW_CONFIG
+    return ONE_ROW_NARROW_CONFIG
 
 
 @functools.cache
@@ -209,7 +217,7 @@ def fp8_gemv(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    cfg = config or default_config(num_rows)
+    cfg = config or default_config(num_rows, n, x.device)
     rows_per_program = min(triton.next_power_of_2(num_rows), ROWS_PER_PROGRAM)
     split_k = cfg.split_k or default_split_k(n, k, cfg, x.device)
     split_k = triton.next_power_of_2(max(1, min(split_k, triton.cdiv(k, cfg.block_k))))

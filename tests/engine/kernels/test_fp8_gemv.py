@@ -88,6 +88,13 @@ def test_gemv_half_activations(device: torch.device, dtype: torch.dtype) -> None
     assert _rel_err(out, ref) < 4e-3  # bf16's own rounding of the result is ~2e-3
 
 
+def test_default_config_narrows_at_few_columns() -> None:
+    gpu = torch.device("cpu")  # the interpreter's stand-in: 4 multiprocessors, 16 programs
+    assert fp8_gemv.default_config(1, 128, gpu) == fp8_gemv.ONE_ROW_CONFIG
+    assert fp8_gemv.default_config(1, 120, gpu) == fp8_gemv.ONE_ROW_NARROW_CONFIG
+    assert fp8_gemv.default_config(3, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
+
+
 def test_default_split_k_fills_the_gpu() -> None:
     cfg = fp8_gemv.ONE_ROW_CONFIG
     gpu = torch.device("cpu")  # the interpreter's stand-in: 4 multiprocessors
