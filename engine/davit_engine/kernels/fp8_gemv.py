@@ -56,8 +56,10 @@ class GemvConfig:
 ONE_ROW_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
 ONE_ROW_NARROW_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4)
 FEW_ROWS_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=4)
-# Rows up to which `fp8_weight_matmul` uses this kernel (beyond: the matrix-unit kernel).
-MAX_ROWS = 4
+# Rows up to which `fp8_weight_matmul` uses this kernel (beyond: the matrix-unit kernel). On
+# the H200 (bench notes run 11) it was 1.8-2.0x faster than the matrix-unit kernel at one row
+# and 8% slower in sum over W2's four shapes at four rows; 2 and 3 rows were not measured.
+MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
