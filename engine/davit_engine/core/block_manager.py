@@ -126,6 +126,10 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
+    def cached_block_id(self, block_hash: bytes) -> int | None:
+        """The block that holds `block_hash` in the prefix cache, None when none does."""
+        return self._hash_to_block.get(block_hash)
+
     def match_lower_tiers(self, req: Request, num_gpu_blocks: int) -> list[bytes]:
         """Hashes of the blocks after the first `num_gpu_blocks` (a GPU prefix match) that the
         lower tiers hold, as far as they continue the prefix; never the request's last token's

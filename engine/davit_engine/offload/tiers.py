@@ -58,6 +58,9 @@ class _Part:
     block_id: int
     slot: int
     read: Future[ReadStatus] | None = None  # a disk read into the slot, None: already there
+    # Already in host memory as a disk-tier block on its way to disk (a write under way), not
+    # as a CPU-tier block: the load counts as the disk tier's.
+    writing: bool = False
 
 
 @dataclass
@@ -109,6 +112,8 @@ class KvTiers(LowerTiers):
         self.cpu_stats = KvTierStats("cpu", capacity_bytes=cpu_blocks * self.block_bytes)
         self.disk_stats = KvTierStats("disk", capacity_bytes=disk.capacity_bytes if disk else 0)
         self._closed = False
+        # Without a CPU tier every host slot is a bounce buffer: half of them stay for reads.
+        self.read_reserve = 0 if cpu_blocks else pool.num_slots // 2
         self.info: dict[str, Any] = {}  # the configuration as reported (see offload_info)
 
     # ---- LowerTiers -------------------------------------------------------------------------
@@ -155,13 +160,14 @@ class KvTiers(LowerTiers):
         parts: list[_Part] = []
         for block_hash, block_id in zip(block_hashes, block_ids, strict=False):
             slot = self._cpu.get(block_hash)
+            writing = slot is None
             if slot is None:
                 slot = self._writing.get(block_hash)
+            else:
+                self._cpu.move_to_end(block_hash)
             if slot is not None:
-                if block_hash in self._cpu:
-                    self._cpu.move_to_end(block_hash)
                 self.pool.pin(slot)
-                parts.append(_Part(block_hash, block_id, slot))
+                parts.append(_Part(block_hash, block_id, slot, writing=writing))
                 continue
             if self.disk is None or block_hash not in self.disk:
                 break
@@ -274,8 +280,13 @@ class KvTiers(LowerTiers):
             self.cpu_stats.store_bytes += len(block_ids) * self.block_bytes
 
     def _slot_for_store(self, num_joining: int) -> int | None:
-        """A slot for a block joining the CPU tier after `num_joining` others of this batch."""
-        while self.cpu_blocks and len(self._cpu) + num_joining >= self.cpu_blocks:
+        """A slot for a block joining the CPU tier after `num_joining` others of this batch;
+        without a CPU tier, a bounce slot for its way to disk, but never one of the last
+        `read_reserve` free slots: writes that back up behind a slow disk must not take the
+        slots a returning prefix needs to be read (it would be computed again instead)."""
+        if not self.cpu_blocks:
+            return self.pool.take() if self.pool.num_free > self.read_reserve else None
+        while len(self._cpu) + num_joining >= self.cpu_blocks:
             if not self._evict_cpu():
                 return None
         return self._free_slot()
@@ -395,7 +406,11 @@ class KvTiers(LowerTiers):
             self.pool.unpin(part.slot)
             if part.read is None:
                 if i < load.num_intact:
-                    self.cpu_stats.load_bytes += self.block_bytes
+                    if part.writing:
+                        self.disk_stats.load_bytes += self.block_bytes
+                        from_disk = True
+                    else:
+                        self.cpu_stats.load_bytes += self.block_bytes
                 self._release(part.slot)
                 continue
             assert self.disk is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -301,3 +302,40 @@ def test_busy_staging_buffers_defer_stores_until_one_is_due() -> None:
     tiers.flush()
     assert tiers.num_queued_stores == 0 and tiers.num_cpu_blocks == 3
     core.shutdown()
+
+
+def test_writes_behind_a_slow_disk_leave_host_slots_for_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: EngineCore
+) -> None:
+    """Without a CPU tier every host slot is a bounce buffer. Writes that back up behind a
+    slow disk hold theirs until the file is written; they may take half of the slots, never
+    the rest, so a returning prefix is still read from disk rather than computed again."""
+    core = make_core(gpu_blocks=12, disk=tmp_path)
+    tiers = tiers_of(core)
+    prefix = prompt_of(30, 6 * BS)
+    run(core, [*prefix, 1], "first")
+    tiers.drain()
+    disk = tiers.disk
+    assert disk is not None and all(h in disk for h in chain(prefix, 6))
+    stuck = threading.Event()
+    write_block = disk_io.write_block
+
+    def slow_write(path: Path, header: bytes, payload: np.ndarray) -> None:
+        stuck.wait(60)
+        write_block(path, header, payload)
+
+    monkeypatch.setattr(disk_io, "write_block", slow_write)
+    for i in range(12):  # 132 new full blocks to store, far more than the host slots
+        run(core, prompt_of(40 + i, 11 * BS + 1), f"filler{i}", max_tokens=1)
+    pool = tiers.pool
+    assert pool.num_slots - pool.num_free == tiers.read_reserve  # writes took their half
+    loaded_before = tiers.stats()[0].load_bytes
+    question = [*prefix, 5, 6]
+    assert run(core, question, "back", max_tokens=6) == run(
+        reference, question, "ref-slow", max_tokens=6
+    )
+    assert tiers.stats()[0].load_bytes - loaded_before == 6 * TINY_BLOCK_BYTES
+    stuck.set()
+    tiers.drain()
+    core.shutdown()
+    assert tiers.is_idle()

@@ -47,7 +47,9 @@ from typing import Any
 import torch
 
 from davit_engine.config import EngineConfig
+from davit_engine.core.block_manager import hash_block_tokens
 from davit_engine.engine_core import EngineCore
+from davit_engine.offload import disk as disk_io
 from davit_engine.types import EngineRequest, SamplingParams
 
 OUT = Path(os.environ.get("OUT", "/tmp/davit-offload"))
@@ -202,6 +204,8 @@ def check_tier(core: EngineCore, vocab: int, context: int, fill_blocks: int) -> 
     prefix = random_tokens(rng, context, vocab)
     run_batch(core, [prefix + [5]], 4)
     gpu = run_batch(core, [prefix + [7, 8]], 16)["outputs"][0]  # prefix from the GPU cache
+    hashes = prefix_hashes(core, prefix)
+    snapshot = prefix_images(core, hashes)
     bs = core.config.block_size
     loaded_before = sum(s.load_bytes for s in core.stats().kv_offload)
     filler_len = min(core.scheduler.max_model_len - 8, fill_blocks * bs)
@@ -211,11 +215,76 @@ def check_tier(core: EngineCore, vocab: int, context: int, fill_blocks: int) -> 
         pushed += filler_len // bs
     tier = run_batch(core, [prefix + [7, 8]], 16)["outputs"][0]
     loaded = sum(s.load_bytes for s in core.stats().kv_offload) - loaded_before
-    return {"identical": gpu == tier, "loaded_bytes": loaded, "gpu": gpu, "tier": tier}
+    result: dict[str, Any] = {
+        "identical": gpu == tier,
+        "loaded_bytes": loaded,
+        "gpu": gpu,
+        "tier": tier,
+    }
+    if snapshot is not None:
+        # Where a difference comes from: the prefix's block images as the GPU cache held them
+        # before the fillers, against the blocks loaded back and (disk tier) the files.
+        again = prefix_images(core, hashes)
+        if again is not None:
+            result["loaded_blocks_differing"] = differing_rows(snapshot, again)
+        files = file_images(core, hashes)
+        if files is not None:
+            result["files_differing"] = differing_rows(snapshot, files)
+    return result
+
+
+def prefix_hashes(core: EngineCore, tokens: list[int]) -> list[bytes]:
+    bs = core.config.block_size
+    hashes: list[bytes] = []
+    for i in range(len(tokens) // bs):
+        hashes.append(
+            hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
+        )
+    return hashes
+
+
+def prefix_images(core: EngineCore, hashes: list[bytes]) -> torch.Tensor | None:
+    """The GPU cache's images of the blocks `hashes` ([n, block bytes] on the host), None when
+    one of them is not in the GPU prefix cache or the engine has no tiers."""
+    tiers = core.tiers
+    if tiers is None:
+        return None
+    ids = [core.scheduler.block_manager.cached_block_id(h) for h in hashes]
+    if any(i is None for i in ids):
+        return None
+    image = tiers.mover.image
+    outs = [
+        torch.empty(len(ids), n, dtype=torch.uint8, device=image.device) for n in image.part_bytes
+    ]
+    image.gather(torch.tensor(ids, dtype=torch.int64, device=image.device), outs)
+    return torch.cat(outs, dim=1).cpu()
+
+
+def file_images(core: EngineCore, hashes: list[bytes]) -> torch.Tensor | None:
+    """The disk tier's files of the blocks `hashes`, read and checked as a load reads them."""
+    tiers = core.tiers
+    if tiers is None or tiers.disk is None:
+        return None
+    disk = tiers.disk
+    out = torch.zeros(len(hashes), tiers.block_bytes, dtype=torch.uint8)
+    for i, h in enumerate(hashes):
+        status = disk_io.read_block(disk.path(h), disk.digest, h, out[i].numpy())
+        if status is not disk_io.ReadStatus.OK:
+            out[i].fill_(0)
+    return out
+
+
+def differing_rows(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    return [i for i in range(a.shape[0]) if not torch.equal(a[i], b[i])]
 
 
 def make_core(args: argparse.Namespace, tier: str) -> EngineCore:
     flags: dict[str, Any] = {}
+    tier, *options = tier.split("+")  # disk+sync: async scheduling off; +eager: no CUDA graphs
+    if "sync" in options:
+        flags["async_scheduling"] = False
+    if "eager" in options:
+        flags["enforce_eager"] = True
     if tier == "cpu":
         flags["kv_offloading_size"] = args.cpu_gib
     if tier == "disk":
@@ -270,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plan",
         default="baseline:noreuse,multiturn;cpu:check,noreuse,multiturn;disk:check,multiturn",
-        help="ENGINE:SECTION,...;... (engines baseline, cpu, disk; sections check, noreuse, "
+        help="ENGINE:SECTION,...;... (engines baseline, cpu, disk, each optionally with +sync "
+        "(no asynchronous scheduling) and +eager (no CUDA graphs); sections check, noreuse, "
         "multiturn), run in this order",
     )
     p.add_argument("--kv-cache-memory-bytes", type=int, default=3 * 2**30)
@@ -306,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             base = describe(core, args, tier)
             record(section="engine", startup_s=time.perf_counter() - started, **base)
             run_batch(core, make_prompts(4, 256, vocab, 1), 8)  # warm-up: compile, caches
-            if "check" in sections and tier != "baseline":
+            if "check" in sections and not tier.startswith("baseline"):
                 result = check_tier(core, vocab, min(1024, args.context), 64)
                 record(section="check", **base, **result)
             if "noreuse" in sections:
