@@ -60,6 +60,10 @@ if [ ! -x "$olah_venv/bin/olah-cli" ]; then
   "$olah_venv/bin/python" -m pip install -q "olah==$olah_version"
 fi
 bash hack/s3server/build.sh
+# The metrics pipeline of the autoscaling end-to-end test (tests/e2e/test_autoscaling_e2e.py):
+# Prometheus and prometheus-adapter built from Go modules into the cache, keyed by version
+# (hack/metrics/build.sh says what each costs cold); warm, under a second.
+bash hack/metrics/build.sh
 DAVIT_CACHE=$stamp_dir "$PYTHON" -m tests.e2e.model_store >/dev/null
 # The Gateway API and Inference Extension CRDs (HTTPRoute, InferencePool) for the routing tests,
 # from their pinned Go modules (tools/davit_tools/devcluster/versions.json) into the cache:

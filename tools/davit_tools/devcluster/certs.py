@@ -6,6 +6,9 @@
   pass as the front proxy and assert arbitrary users through request headers);
 - ``sa.key``/``sa.pub``: the ServiceAccount token signing pair.
 
+``generate_serving_pair`` makes a separate CA and serving certificate for a server the API server
+calls (an aggregated API server registered through an APIService, a webhook).
+
 ECDSA P-256 keys keep generation in the milliseconds. The ``cryptography`` package is used when it
 is importable; otherwise the ``openssl`` command line produces the same files.
 """
@@ -121,14 +124,7 @@ def generate_pki(
     ``backend`` None picks ``cryptography`` when importable, else the openssl command line.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    if backend is None:
-        backend = "cryptography" if importlib.util.find_spec("cryptography") else "openssl"
-    if backend == "openssl" and shutil.which("openssl") is None:
-        raise RuntimeError(
-            "cannot create certificates: install the Python package `cryptography` "
-            "(pip install cryptography) or the openssl command line"
-        )
-    impl: _Backend = _Cryptography(directory) if backend == "cryptography" else _OpenSsl(directory)
+    impl = _backend(directory, backend)
     impl.make_ca("ca", CA_NAME)
     impl.make_ca("front-proxy-ca", FRONT_PROXY_CA_NAME)
     impl.issue("ca", "apiserver", "kube-apiserver", (), (list(SERVING_DNS), serving_ips))
@@ -139,6 +135,50 @@ def generate_pki(
     for key in directory.glob("*.key"):
         key.chmod(0o600)
     return Pki(directory)
+
+
+@dataclass(frozen=True)
+class ServingPair:
+    """A serving certificate, its key and the CA that signed it (all PEM paths)."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def generate_serving_pair(
+    directory: Path,
+    stem: str,
+    dns_names: list[str],
+    ips: list[str],
+    backend: Literal["cryptography", "openssl"] | None = None,
+) -> ServingPair:
+    """A CA of its own and a serving certificate it signs, for a server the API server calls
+    (an aggregated API server or a webhook: their registration carries the CA as ``caBundle``).
+
+    Writes ``stem``-ca.crt/.key and ``stem``.crt/.key into ``directory``; the CA is apart from the
+    cluster's so that nothing it signs is trusted as a cluster client.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    impl = _backend(directory, backend)
+    impl.make_ca(f"{stem}-ca", f"{stem}-ca")
+    impl.issue(f"{stem}-ca", stem, stem, (), (list(dns_names), list(ips)))
+    for key in directory.glob(f"{stem}*.key"):
+        key.chmod(0o600)
+    return ServingPair(
+        directory / f"{stem}-ca.crt", directory / f"{stem}.crt", directory / f"{stem}.key"
+    )
+
+
+def _backend(directory: Path, backend: Literal["cryptography", "openssl"] | None) -> _Backend:
+    if backend is None:
+        backend = "cryptography" if importlib.util.find_spec("cryptography") else "openssl"
+    if backend == "openssl" and shutil.which("openssl") is None:
+        raise RuntimeError(
+            "cannot create certificates: install the Python package `cryptography` "
+            "(pip install cryptography) or the openssl command line"
+        )
+    return _Cryptography(directory) if backend == "cryptography" else _OpenSsl(directory)
 
 
 class _Cryptography:
