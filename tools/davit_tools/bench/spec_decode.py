@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -360,7 +361,85 @@ def _agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[in
     return same, total
 
 
-SECTIONS = {"synthetic": section_synthetic, "budget": section_budget, "editing": section_editing}
+def section_profile(args: argparse.Namespace) -> None:
+    """Where a verification step's time goes: one batch-1 request (a random SmolLM2-135M shape,
+    fp32, a prompt of a repeating pattern so that n-gram always finds drafts) with and without
+    n-gram speculation; per step the host time of `core.step()` and the tokens it produced,
+    then cProfile's top functions and torch.profiler's top operators over the timed steps."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    prompt = [7, 8, 9, 10, 11] * 120
+    params = SamplingParams(max_tokens=args.profile_tokens, temperature=0.0, ignore_eos=True)
+    limits = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=1024)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    for label, config in (("no speculation", None), ("n-gram strict K=6", spec)):
+        core = make_core(args.profile_model, config, **limits)
+        run(core, [prompt], params)  # warm-up: graphs, compilation
+        for mode in ("steps", "cprofile", "torch"):
+            _COUNTER[0] += 1
+            core.add_request(EngineRequest(f"p{_COUNTER[0]}", list(prompt), params))
+            times: list[float] = []
+            produced: list[int] = []
+            prof = cProfile.Profile() if mode == "cprofile" else None
+            tprof = (
+                torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                if mode == "torch" and torch.cuda.is_available()
+                else None
+            )
+            if tprof is not None:
+                tprof.__enter__()
+            while core.has_unfinished_requests():
+                began = time.perf_counter()
+                if prof is not None:
+                    prof.enable()
+                deltas = core.step()
+                if prof is not None:
+                    prof.disable()
+                times.append((time.perf_counter() - began) * 1e3)
+                produced.append(sum(len(d.new_token_ids) for d in deltas))
+            if tprof is not None:
+                tprof.__exit__(None, None, None)
+            if mode == "steps":
+                busy = [(t, n) for t, n in zip(times, produced, strict=True) if n]
+                record(
+                    section="profile",
+                    mode=label,
+                    steps=len(times),
+                    steps_with_tokens=len(busy),
+                    tokens=sum(produced),
+                    step_ms_p50=statistics.median(times),
+                    step_ms_mean=statistics.fmean(times),
+                    ms_per_token=sum(times) / max(1, sum(produced)),
+                    first_steps_ms=[round(t, 3) for t in times[:12]],
+                    first_steps_tokens=produced[:12],
+                    **versions(),
+                )
+            elif prof is not None:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+                print(f"== cProfile {label} (tottime) ==\n{out.getvalue()[-6000:]}", flush=True)
+            elif tprof is not None:
+                table = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+                print(f"== torch.profiler {label} ==\n{table}", flush=True)
+        free(core)
+
+
+SECTIONS = {
+    "synthetic": section_synthetic,
+    "budget": section_budget,
+    "editing": section_editing,
+    "profile": section_profile,
+}
 
 
 # ---- prompt preparation (here, where the tokenizer loads) ----------------------------------------
@@ -413,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--smollm2-gguf", type=Path, default=None)
     go.add_argument("--prompts", type=Path, default=Path(".device/editing_prompts.json"))
     go.add_argument("--editing-k", type=int, default=6)
+    go.add_argument("--profile-model", default="random:smollm2-135m")
+    go.add_argument("--profile-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     if args.command == "prepare":
         gguf = args.smollm2_gguf
