@@ -13,12 +13,17 @@ if TYPE_CHECKING:
     from davit_engine.layers.attention import AttentionMetadata
 
 NUM_KV_SPLITS_KEY = "num_kv_splits"
+# Steps whose requests bring at most this many new tokens each (decode, and speculative
+# verification's K + 1) split the key range too: their few query rows per request leave most
+# of the GPU idle otherwise, one program walking the whole context per request and KV head.
+SPLIT_MAX_QUERY_LEN = 16
 
 
 class TritonPagedAttention:
     """Implements `layers.attention.AttentionBackend` with the Triton kernels.
 
-    Decode steps split the key range when the batch is too small to fill the GPU. The split
+    Decode and verification steps (at most `SPLIT_MAX_QUERY_LEN` new tokens per request) split
+    the key range when the batch is too small to fill the GPU. The split
     count comes from `meta.scratch["num_kv_splits"]` when the runner fixes it (a CUDA graph must
     see the same launch shape on every replay); otherwise from the batch size and the host-side
     `max_seq_len`.
@@ -43,14 +48,13 @@ class TritonPagedAttention:
         kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32 (FP8 cache)
     ) -> torch.Tensor:  # [T, Hq, D]
         num_splits = 1
-        if meta.max_query_len == 1:
-            fixed = meta.scratch.get(NUM_KV_SPLITS_KEY)
-            if isinstance(fixed, int):
-                num_splits = fixed
-            else:
-                num_splits = default_num_splits(
-                    int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len
-                )
+        fixed = meta.scratch.get(NUM_KV_SPLITS_KEY)
+        if isinstance(fixed, int):
+            num_splits = fixed
+        elif meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
+            num_splits = default_num_splits(
+                int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len
+            )
         return paged_attention(
             q,
             kv_cache,

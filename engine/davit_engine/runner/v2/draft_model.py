@@ -150,7 +150,7 @@ class DraftModel:
             max_seq_len=meta.max_seq_len,
             backend=self.backend,
         )
-        if meta.max_query_len == 1:
+        if NUM_KV_SPLITS_KEY in meta.scratch:  # a captured step: a fixed launch shape
             draft_meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
                 num_rows, self.model_config.num_kv_heads, meta.max_seq_len
             )

@@ -448,6 +448,11 @@ class RunnerV2(PagedKvRunner):
             max_seq_len=self.max_model_len,
             backend=self.backend,
         )
+        # Split keys as decode does (fixed per captured size): without, one program per row and
+        # KV head walks the whole context, and the step costs several decode steps.
+        meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
+            num_rows, self.model_config.num_kv_heads, self.max_model_len
+        )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [T, hidden]
         if self.draft is not None:
             self.draft.mirror(step.input_ids, step.positions, meta, num_rows)
