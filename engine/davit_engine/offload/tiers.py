@@ -10,9 +10,13 @@ is only a bounce buffer on the way to disk.
 
 Loads. `load()` pins each block where it is (a CPU slot, or a disk file read into a bounce slot
 on a worker thread), and once every read has come back, copies the intact prefix into the GPU
-blocks in one batch. A block read from disk then joins the CPU tier. The scheduler learns about
-finished loads by polling (`finished_loads`); nothing here blocks the engine loop except
-`wait()`, called only when nothing else can run.
+blocks in one batch. The scheduler learns about finished loads by polling (`finished_loads`).
+On CUDA a load is finished for the scheduler as soon as its copies are queued: the next step
+that launches waits for them on the GPU (`flush` makes the runner's stream wait on the load's
+event), so a returning request joins the very next step instead of the first step after the
+host saw the copies end. Its host slots stay pinned until the copies have run; a block read from
+disk then joins the CPU tier. Nothing here blocks the engine loop except `wait()`, called only
+when nothing else can run.
 
 Engine-loop thread only, except the file operations on the worker threads, which touch no
 state here and report through their futures.
@@ -104,7 +108,12 @@ class KvTiers(LowerTiers):
         self._steps_since_flush = 0
         self._writing: dict[bytes, int] = {}  # hash -> slot, disk write under way
         self._writes: list[_Write] = []
-        self._loads: dict[int, _Load] = {}
+        self._loads: dict[int, _Load] = {}  # reading from disk, or copies not yet queued
+        # Loads whose copies are queued and reported finished, holding their host slots until
+        # the copies have run.
+        self._copying: dict[int, _Load] = {}
+        # Events of queued loads that no step has waited for yet (see `flush`).
+        self._unwaited: list[torch.cuda.Event] = []
         self._finished: list[tuple[int, int]] = []
         self._executor = (
             ThreadPoolExecutor(DISK_WORKERS, thread_name_prefix="kv-disk") if disk else None
@@ -201,6 +210,10 @@ class KvTiers(LowerTiers):
         return done
 
     def wait(self, timeout_s: float) -> None:
+        """Block until a load can be reported to the scheduler (or a write is done), at most
+        about `timeout_s`; at once when one can be already."""
+        if self._finished:
+            return
         reads = [p.read for load in self._loads.values() for p in load.parts if p.read is not None]
         pending = [r for r in reads if not r.done()]
         if pending:
@@ -219,6 +232,13 @@ class KvTiers(LowerTiers):
 
     def flush(self) -> None:
         """Copy the queued blocks when they are due (called before each step launches)."""
+        if self._unwaited:
+            # Loads reported finished: this step and every later one run after their copies
+            # (the step may read those blocks, or reuse one whose scatter is still queued).
+            stream = torch.cuda.current_stream(self.mover.image.device)
+            for event in self._unwaited:
+                stream.wait_event(event)
+            self._unwaited.clear()
         self._steps_since_flush += 1
         if self._queued and (
             self._due
@@ -226,7 +246,7 @@ class KvTiers(LowerTiers):
             or self._steps_since_flush >= FLUSH_STEPS
         ):
             self._flush_now()
-        if self._writes or self._loads:
+        if self._writes or self._loads or self._copying:
             self.poll()
 
     def _flush_now(self) -> None:
@@ -351,6 +371,9 @@ class KvTiers(LowerTiers):
             self._reap_writes()
         for load in list(self._loads.values()):
             self._advance(load)
+        for load in list(self._copying.values()):
+            if load.event is None or load.event.query():
+                self._land(load)
 
     def _reap_writes(self) -> None:
         disk = self.disk
@@ -397,9 +420,19 @@ class KvTiers(LowerTiers):
         if num_intact:
             parts = load.parts[:num_intact]
             load.event = self.mover.load([p.slot for p in parts], [p.block_id for p in parts])
+        if load.event is not None:
+            # Finished for the scheduler now; the next step waits for the copies on the GPU.
+            del self._loads[load.load_id]
+            self._copying[load.load_id] = load
+            self._unwaited.append(load.event)
+            self._finished.append((load.load_id, num_intact))
 
     def _land(self, load: _Load) -> None:
-        del self._loads[load.load_id]
+        """The load's copies have run (or it had none): release its host slots; report it to
+        the scheduler unless `_issue` did already."""
+        reported = self._copying.pop(load.load_id, None) is not None
+        if not reported:
+            del self._loads[load.load_id]
         elapsed = time.perf_counter() - load.started
         from_disk = False
         for i, part in enumerate(load.parts):
@@ -426,7 +459,8 @@ class KvTiers(LowerTiers):
             stats.load_count += 1
             stats.load_seconds += elapsed
             stats.load_buckets[bisect.bisect_left(KV_TIER_LOAD_BUCKETS, elapsed)] += 1
-        self._finished.append((load.load_id, load.num_intact))
+        if not reported:
+            self._finished.append((load.load_id, load.num_intact))
 
     def _promote(self, block_hash: bytes, slot: int) -> None:
         """A block read from disk joins the CPU tier (or its bounce slot is freed)."""
@@ -465,7 +499,7 @@ class KvTiers(LowerTiers):
 
     @property
     def num_loads_in_flight(self) -> int:
-        return len(self._loads)
+        return len(self._loads) + len(self._copying)
 
     @property
     def num_queued_stores(self) -> int:
@@ -479,6 +513,7 @@ class KvTiers(LowerTiers):
         """No load, store or write under way and no host slot in use beyond the CPU tier's."""
         return (
             not self._loads
+            and not self._copying
             and not self._writes
             and self.pool.num_pinned == 0
             and self.pool.num_free + len(self._cpu) == self.pool.num_slots
@@ -506,7 +541,7 @@ class KvTiers(LowerTiers):
             self._flush_now()
         if self.mover.is_async:
             torch.cuda.synchronize(self.mover.image.device)
-        while (self._loads or self._writes) and time.monotonic() < deadline:
+        while (self._loads or self._copying or self._writes) and time.monotonic() < deadline:
             self.wait(0.01)
             self.poll()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from davit_engine.config import EngineConfig
 from davit_engine.core.block_manager import hash_block_tokens
@@ -339,3 +340,72 @@ def test_writes_behind_a_slow_disk_leave_host_slots_for_reads(
     tiers.drain()
     core.shutdown()
     assert tiers.is_idle()
+
+
+class _Event:
+    """A CUDA event's interface over a flag the test sets."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[_Event] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event)
+
+
+def test_a_queued_load_lets_its_request_join_the_next_step(
+    monkeypatch: pytest.MonkeyPatch, reference: EngineCore
+) -> None:
+    """With asynchronous copies a load is finished for the scheduler once its copies are queued:
+    the request is scheduled in the next step, whose stream waits for the copies first, and its
+    host slots stay pinned until the copies have run."""
+    core = make_core(gpu_blocks=12, cpu_blocks=64)
+    tiers = tiers_of(core)
+    prefix = prompt_of(50, 6 * BS)
+    run(core, [*prefix, 3], "first")
+    run(core, prompt_of(51, 180), "evicts")
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    events: list[_Event] = []
+    copy_in = tiers.mover.load
+
+    def queued_load(slots: list[int], block_ids: list[int]) -> _Event:
+        copy_in(slots, block_ids)  # the CPU cache copies at once; the event says "not yet"
+        events.append(_Event())
+        return events[-1]
+
+    monkeypatch.setattr(tiers.mover, "load", queued_load)
+    monkeypatch.setattr(tiers.mover, "is_async", True)
+    question = [*prefix, 9, 8]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    core.add_request(EngineRequest("back", question, params))
+    tokens: list[int] = []
+    steps = 0
+    while core.has_unfinished_requests():
+        tokens += [t for d in core.step() for t in d.new_token_ids]
+        steps += 1
+        if steps == 1:
+            # The load was queued and reported in this step, its copies "still running".
+            assert len(events) == 1 and not events[0].done
+            assert tiers.pool.num_pinned == 6 and tiers.num_loads_in_flight == 1
+        if steps == 2:
+            assert stream.waited == events  # the step waited for the copies on the stream
+            assert tokens, "the request was not scheduled in the step after its load"
+            assert tiers.pool.num_pinned == 6  # copies not done: the slots stay pinned
+            events[0].done = True
+    assert tokens == run(reference, question, "ref-queued", max_tokens=5)
+    tiers.poll()
+    assert tiers.pool.num_pinned == 0 and tiers.num_loads_in_flight == 0
+    assert tiers.stats()[0].load_bytes == 6 * TINY_BLOCK_BYTES
+    monkeypatch.setattr(tiers.mover, "is_async", False)  # no device to synchronize at shutdown
+    core.shutdown()
