@@ -87,7 +87,9 @@ class EngineCore:
     file). `add_request` raises ParamError for invalid requests and QueueFullError when the
     waiting queue is full; an accepted request always ends with exactly one finished delta
     (STOP/LENGTH from `step()`, ABORT from the `step()` after `abort_requests`, or ERROR from
-    the `step()` in which it failed alone: see isolating_runner).
+    the `step()` in which it failed alone: see isolating_runner). `step()` raises when the
+    core cannot go on: a failure no request is to blame for (`RunnerFailure`, `DeviceFailure`
+    for a device that runs no more work, a step where every request fails).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -162,7 +164,9 @@ class EngineCore:
         stepping: ModelRunner = self.isolation
         if self.tiers is not None:
             stepping = OffloadingRunner(self.isolation, self.tiers)
-        self.pipeline = StepPipeline(self.scheduler, stepping, async_scheduling)
+        self.pipeline = StepPipeline(
+            self.scheduler, stepping, async_scheduling, isolation=self.isolation
+        )
         self.model_info = ModelInfo(
             served_model_name=config.model_name,
             max_model_len=self.scheduler.max_model_len,

@@ -9,12 +9,20 @@ so on, until each failing request ran alone. Those requests are finished with
 like any other); every other request gets its token from the smaller runs, so its output is
 exactly what the whole step would have given it.
 
-This needs a runner whose steps can run again after one raised (`ModelRunner.repeatable_steps`:
-no per-request state carried from step to step). With any other runner a failing step stays
-fatal, as the engine core's contract says, since half-applied state cannot be trusted. Also
-fatal: a `RunnerFailure` (the runner itself is broken), a step where every one of several
-requests fails alone (the failure is not any one request's), and MAX_FAILED_STEPS steps in a
-row where nothing ran (a broken device).
+This needs a runner whose steps can run again after one raised (`ModelRunner.repeatable_steps`).
+Every run after a failure gets its rows restated (`restate`): marked `is_new`, so a runner with
+per-request state (V2: slots, device token rows, block tables, sampling parameters) rebuilds
+each request's state from the scheduler's view, as after a preemption, instead of trusting what
+the failed step left half-applied. With asynchronous scheduling a step may fail at its launch
+or when its tokens are read, while another one is launched after it: `StepPipeline` then lands
+or runs again, in order, every step before it, discards the steps after it, and runs each of
+them again here (`execute` of `restated(...)`), so the failing one is isolated like any other.
+
+Fatal, since no request is to blame: a `RunnerFailure` (the runner itself is broken), a device
+that runs no more work after the failure (`DeviceFailure`: a sticky CUDA error such as an
+illegal memory access, told apart by `runner.base.check_device`), a step where every one of
+several requests fails alone, and MAX_FAILED_STEPS steps in a row where nothing ran. A runner
+without repeatable steps also stops the core, as half-applied state cannot be trusted.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from davit_engine.core.batch import RunnerOutput, SchedulerOutput
+from davit_engine.core.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
-from davit_engine.runner.base import ModelRunner, PendingOutput, RunnerFailure
+from davit_engine.runner.base import ModelRunner, PendingOutput, RunnerFailure, check_device
 from davit_engine.types import FinishReason, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -42,6 +50,7 @@ class IsolatingRunner(ModelRunner):
         self.runner = runner
         self.scheduler = scheduler
         self.name = runner.name
+        self.repeatable_steps = runner.repeatable_steps  # type: ignore[misc]
         self._failed: list[RequestDelta] = []
         self._failed_steps = 0
 
@@ -63,15 +72,22 @@ class IsolatingRunner(ModelRunner):
         try:
             output = self.runner.execute(batch)
         except Exception as exc:
-            if (
-                not batch.scheduled
-                or not self.runner.repeatable_steps
-                or isinstance(exc, RunnerFailure)
-            ):
+            if not self.isolatable(batch, exc):
                 raise
             return self._isolate(batch, exc)
         self._failed_steps = 0
         return output
+
+    def isolatable(self, batch: SchedulerOutput, error: Exception) -> bool:
+        """Whether `batch` may run again, in parts, after `error`: it has requests, the runner's
+        steps are repeatable and `error` is no RunnerFailure. Raises DeviceFailure (from the
+        device check) when the device runs no more work."""
+        if not batch.scheduled or not self.runner.repeatable_steps:
+            return False
+        if isinstance(error, RunnerFailure):
+            return False
+        check_device(error)
+        return True
 
     def _isolate(self, batch: SchedulerOutput, error: Exception) -> RunnerOutput:
         scheduled = batch.scheduled
@@ -87,11 +103,21 @@ class IsolatingRunner(ModelRunner):
 
         def run(rows: list[int], known_failure: Exception | None) -> None:
             if known_failure is None:
-                part = dataclasses.replace(batch, scheduled=[scheduled[i] for i in rows])
+                # Released by the failed run already: a part that released them again could
+                # free the slot of a new request with a finished one's id.
+                part = dataclasses.replace(
+                    batch,
+                    scheduled=[restate(scheduled[i]) for i in rows],
+                    finished_ids=[],
+                    preempted_ids=[],
+                )
                 try:
                     outputs.append((rows, self.runner.execute(part)))
                     return
+                except RunnerFailure:
+                    raise
                 except Exception as exc:
+                    check_device(exc)  # the device may have broken in this very run
                     known_failure = exc
             if len(rows) == 1:
                 failures.append((rows[0], known_failure))
@@ -128,7 +154,8 @@ class IsolatingRunner(ModelRunner):
         )
 
     def execute_async(self, batch: SchedulerOutput) -> PendingOutput:
-        # Launches are not isolated: a launched step cannot be run again in parts.
+        # A failed launch (or result) is isolated by the pipeline, which knows the steps around
+        # it: it runs the step again through `execute` once the steps before it have landed.
         return self.runner.execute_async(batch)
 
 
@@ -143,6 +170,28 @@ def isolating(runner: ModelRunner, scheduler: Scheduler) -> IsolatingRunner:
     if runner.supports_async_scheduling:
         return AsyncIsolatingRunner(runner, scheduler)
     return IsolatingRunner(runner, scheduler)
+
+
+def restate(request: ScheduledRequest) -> ScheduledRequest:
+    """`request`'s share of a step, to run again after a failure: `is_new`, so a runner with
+    per-request state rebuilds it from `token_ids` (which must hold every token before this
+    step's: the steps before it have landed), and no tokens pending."""
+    return dataclasses.replace(request, is_new=True, num_pending_tokens=0)
+
+
+def restated(batch: SchedulerOutput, scheduler: Scheduler) -> SchedulerOutput:
+    """`batch` to run again once every step before it has landed: the rows of requests still
+    live (not finished, aborted or failed meanwhile), restated. Its finished and preempted ids
+    stay, as a launch that failed early may not have released them; releasing one again is
+    harmless, since a request that took such an id's slot since is a restated row of this step
+    or of the discarded one after it."""
+    live = []
+    for request in batch.scheduled:
+        current = scheduler.get_request(request.request_id)
+        # The token list identifies the request: an id can be reused after a finish.
+        if current is not None and current.token_ids is request.token_ids:
+            live.append(restate(request))
+    return dataclasses.replace(batch, scheduled=live)
 
 
 def merge_outputs(outputs: Sequence[tuple[list[int], RunnerOutput]], num_rows: int) -> RunnerOutput:

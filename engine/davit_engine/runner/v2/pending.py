@@ -26,6 +26,20 @@ class PendingStep:
     host_spec: torch.Tensor | None = None
     _done: RunnerOutput | None = field(default=None, repr=False)
 
+    def keep_tokens(self) -> None:
+        """Wait for this step's copies to the host and keep them out of the runner's shared
+        pinned buffers, which a later step may then reuse. Reads no token, so a step whose
+        result is never read (discarded after a failure) cannot fail here."""
+        if self._done is not None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        if self.host_tokens is not None:
+            self.host_tokens = self.host_tokens[: self.num_rows].clone()
+        if self.host_spec is not None:
+            self.host_spec = self.host_spec[: len(self.spec_rows)].clone()
+
     def result(self) -> RunnerOutput:
         if self._done is not None:
             return self._done

@@ -66,6 +66,9 @@ class RunnerV2(PagedKvRunner):
 
     name = "v2"
     supports_async_scheduling = True
+    # A restated row (`is_new`) rebuilds its request's slot (tokens, blocks, parameters) from
+    # the host, so a failed step can run again, in parts (see isolating_runner).
+    repeatable_steps = True
     # Fused Triton layer kernels on CUDA (benchmarks switch this off to measure the difference).
     fuse_layers = True
 
@@ -279,7 +282,8 @@ class RunnerV2(PagedKvRunner):
             self._out_turn = (turn + 1) % len(self._out_buffers)
             previous = self._out_owners[turn]
             if previous is not None:
-                previous.result()  # more steps in flight than buffers: settle the oldest first
+                # More steps in flight than buffers: the oldest keeps its tokens elsewhere.
+                previous.keep_tokens()
             self._out_owners[turn] = pending
             host = self._out_buffers[turn]
             host[:num_real].copy_(tokens, non_blocking=True)

@@ -6,6 +6,11 @@ preemption, blocks appended, and the per-row step vectors) as one staged host-to
 finished and preempted requests just give their slot back. Rows of a step name slots, so the
 batch can be reordered freely without moving any state.
 
+A row marked `is_new` rebuilds its slot from the host (every known token, every block, the
+parameters): a request back from a preemption, and one restated after a failed step
+(`isolating_runner.restate`), whatever that step left half-written; a restated request keeps
+the seed drawn for it, so its draws stay the same.
+
 Slot `max_num_seqs` is the padding slot: it owns no block (its block-table row stays -1), so
 CUDA-graph padding rows write no KV and read none.
 """
@@ -113,6 +118,7 @@ class RequestStateTable:
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._num_blocks_sent = [0] * num_slots
         self._rng = random.Random(seed)
+        self._seeds = [0] * num_slots  # the seed drawn for a slot's request without one
         # Pinned staging buffers used in turn, each guarded by the event of its last copy.
         self._pinned: list[torch.Tensor] = []
         self._pinned_ready: list[torch.cuda.Event | None] = []
@@ -246,6 +252,7 @@ class RequestStateTable:
         token_rows: list[tuple[int, list[int]]],
     ) -> int:
         slot = self._slot_of.get(req.request_id)
+        seed = req.sampling.seed
         if slot is None:
             if not self._free:
                 raise RuntimeError(
@@ -254,8 +261,13 @@ class RequestStateTable:
                 )
             slot = self._free.pop()
             self._slot_of[req.request_id] = slot
+            if seed is None:
+                seed = self._rng.getrandbits(32)
+                self._seeds[slot] = seed
+        elif seed is None:
+            # Restated after a failed step: the same draws as had nothing failed.
+            seed = self._seeds[slot]
         self._num_blocks_sent[slot] = 0
-        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(32)
         new_slots.append(slot)
         new_params.append(param_row(req.sampling, seed, req.num_prompt_tokens))
         # Every token known now: the prompt, and the outputs of a request recomputed after a
