@@ -130,6 +130,20 @@ class Timeline:
         result: Observation = wait_for(what, probe, timeout, self.e2e)
         return result
 
+    def changes(self) -> list[str]:
+        """One line per observation that differs from the one before it."""
+        lines, last = [], None
+        for o in self.seen:
+            state = (o.hpa_desired, o.replicas, o.ready_pods, o.pods, sorted(o.waiting.values()))
+            if state != last:
+                waiting = [round(v, 1) for v in o.waiting.values()]
+                lines.append(
+                    f"{o.at:6.1f}: desired {o.hpa_desired}, replicas {o.replicas}, "
+                    f"pods {o.ready_pods}/{o.pods}, waiting {waiting}"
+                )
+                last = state
+        return lines
+
     def first(self, done: Any) -> Observation | None:
         return next((o for o in self.seen if done(o)), None)
 
@@ -140,6 +154,9 @@ def test_waiting_requests_scale_the_service_up_and_back_down(
     prometheus, adapter = pipeline
     spec = base_spec(MIN_REPLICAS, {"strategy": "Rolling", "drainSeconds": 15})
     spec["limits"]["maxNumSeqs"] = 1
+    # Three engines share two cores here: one thread each keeps a busy engine from starving the
+    # ones starting beside it.
+    spec["pod"]["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}]
     spec["autoscaling"] = {
         "minReplicas": MIN_REPLICAS,
         "maxReplicas": MAX_REPLICAS,
@@ -166,6 +183,14 @@ def test_waiting_requests_scale_the_service_up_and_back_down(
     assert [t["health"] for t in targets] == ["up"], targets
     assert targets[0]["scrapeUrl"].startswith("http://127.65."), targets[0]["scrapeUrl"]
     metrics_ready_s = time.monotonic() - setup
+    # The engine serves /metrics (zeros) while it loads; the load starts once it answers.
+    wait_for(
+        "the first engine Ready",
+        lambda: condition(e2e.isvc(NAME), "Ready").get("status") == "True",
+        300,
+        e2e,
+    )
+    first_ready_s = time.monotonic() - setup
 
     endpoints = ServiceEndpoints(e2e.cluster.kubeconfig, e2e.namespace, NAME, 8000).start()
     heavy = Load(
@@ -179,11 +204,16 @@ def test_waiting_requests_scale_the_service_up_and_back_down(
             lambda o: o.replicas == MAX_REPLICAS and o.ready_pods == MAX_REPLICAS,
             480,
         )
-        # Let the added engines take traffic for a moment.
-        ok_at_max = heavy.tally.ok
-        wait_for(
-            "answers from the scaled-up service", lambda: heavy.tally.ok >= ok_at_max + 6, 180, e2e
-        )
+        # The added engines take their share of the load: each one has run a request (its
+        # own vllm:num_requests_running, through Prometheus).
+        busy = f'max_over_time(vllm:num_requests_running{{namespace="{e2e.namespace}"}}[10m])'
+
+        def every_engine_ran_a_request() -> bool:
+            ran = {r["metric"]["pod"] for r in prometheus.query(busy) if float(r["value"][1]) >= 1}
+            return len(ran) >= MAX_REPLICAS
+
+        wait_for("every engine ran requests", every_engine_ran_a_request, 240, e2e)
+        at_max = time.monotonic() - timeline.started
         heavy.stop()
         load_stopped = time.monotonic() - timeline.started
         # A light load keeps requests flowing while the HPA removes replicas: every one that an
@@ -225,10 +255,11 @@ def test_waiting_requests_scale_the_service_up_and_back_down(
         f"\nautoscaling e2e (min {MIN_REPLICAS}, max {MAX_REPLICAS}, target "
         f"{TARGET_WAITING} waiting, scale-down stabilization {SCALE_DOWN_STABILIZATION_S} s, "
         f"{HEAVY_WORKERS} clients on max-num-seqs 1 engines):\n"
-        f"  pipeline up (HPA ScalingActive) {metrics_ready_s:.0f} s after apply\n"
+        f"  apply -> HPA ScalingActive (the loading engine's zeros): {metrics_ready_s:.0f} s; "
+        f"-> first engine Ready: {first_ready_s:.0f} s\n"
         f"  load start -> HPA desired {first_desired.hpa_desired}: {first_desired.at:.0f} s; "
         f"-> spec.replicas {first_scaled.replicas}: {first_scaled.at:.0f} s; "
-        f"-> {up.ready_pods} engines Ready: {up.at:.0f} s\n"
+        f"-> {up.ready_pods} engines Ready: {up.at:.0f} s; -> each ran requests: {at_max:.0f} s\n"
         f"  peak waiting seen through custom.metrics: {peak_waiting:.0f} "
         f"(per pod at the peak: {max(timeline.seen, key=lambda o: sum(o.waiting.values())).waiting})\n"
         f"  load stop -> spec.replicas {MIN_REPLICAS}: {first_down.at - load_stopped:.0f} s; "
@@ -237,5 +268,7 @@ def test_waiting_requests_scale_the_service_up_and_back_down(
         f"{len(heavy_tally.failed)} failed; light load during scale-down: {light_tally.ok} ok, "
         f"{light_tally.not_admitted} not admitted, {len(light_tally.failed)} failed\n"
         f"  removed engines drained in {[round(t[2], 1) for t in removed]} s (exit codes "
-        f"{[t[1] for t in removed]}); HPA status {hpa.get('status', {}).get('currentMetrics')}"
+        f"{[t[1] for t in removed]}); HPA status {hpa.get('status', {}).get('currentMetrics')}\n"
+        f"  timeline (s after load start: HPA desired, spec.replicas, Ready/all engine pods, "
+        f"waiting per pod):\n    " + "\n    ".join(timeline.changes())
     )
