@@ -183,6 +183,38 @@ class LocalCluster:
         """``kubectl <args> -o json``, parsed."""
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
+    def add_nodes(self, nodes: Sequence[FakeNode], timeout: float = 120.0) -> None:
+        """Registers more KWOK fake nodes on the running cluster and waits until they are Ready.
+
+        For a test that needs more capacity than the default nodes (the scale test); remove them
+        again with ``remove_nodes``. ``self.nodes`` (the nodes ``start()`` registers) is unchanged.
+        """
+        if not nodes:
+            return
+        manifest = {"apiVersion": "v1", "kind": "List", "items": [n.manifest() for n in nodes]}
+        self.kubectl("apply", "-f", "-", input=json.dumps(manifest), timeout=timeout)
+        result = self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            "node",
+            *(n.name for n in nodes),
+            f"--timeout={max(1, int(timeout))}s",
+            check=False,
+            timeout=timeout + 10,
+        )
+        if result.returncode != 0:
+            raise ClusterError(
+                f"fake nodes did not become Ready: {result.stderr.strip()}; see "
+                f"{self.log_dir / 'kwok.log'}"
+            )
+
+    def remove_nodes(self, names: Sequence[str], timeout: float = 120.0) -> None:
+        """Deletes fake nodes added with ``add_nodes`` (pods still bound to them are collected)."""
+        if names:
+            self.kubectl(
+                "delete", "node", "--ignore-not-found", "--wait=true", *names, timeout=timeout
+            )
+
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for a subprocess that should talk to this cluster (a kopf operator, helm).
 

@@ -63,6 +63,16 @@ class FakeNode:
         }
 
 
+def cpu_node(name: str) -> FakeNode:
+    """A plain 64-core CPU node, like `cpu-0` (110 pods, the kubelet's default)."""
+    return FakeNode(
+        name=name,
+        cpu=64,
+        memory_gib=256,
+        labels={"node.kubernetes.io/instance-type": "cpu-64"},
+    )
+
+
 def _h200(name: str) -> FakeNode:
     return FakeNode(
         name=name,
@@ -113,10 +123,5 @@ DEFAULT_NODES: tuple[FakeNode, ...] = (
             "gpu.intel.com/tiles": "16",
         },
     ),
-    FakeNode(
-        name="cpu-0",
-        cpu=64,
-        memory_gib=256,
-        labels={"node.kubernetes.io/instance-type": "cpu-64"},
-    ),
+    cpu_node("cpu-0"),
 )
