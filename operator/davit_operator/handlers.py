@@ -8,6 +8,7 @@ Nodes give it live state without API requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,12 @@ class OperatorOptions:
     model_cache: str | None = None
     fetch: FetchSettings = FetchSettings()
 
+
+# Drift checks run beside the event handlers that create and update children, all through one
+# pool of API connections (davit_operator.kube). At most this many run at once, and a check that
+# would have to wait skips its round (the next one comes an interval later): with many services,
+# timers then never hold every connection while new services wait for their first children.
+MAX_CONCURRENT_DRIFT_CHECKS = 8
 
 # The kinds the operator creates, each indexed by its owning InferenceService under this id
 # (the reconciler reads the indexes by id). The routing kinds come from optional CRDs: kopf
@@ -125,6 +132,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
         return {name: node_facts(name, body)}
 
+    drift_slots = asyncio.Semaphore(MAX_CONCURRENT_DRIFT_CHECKS)
+
     async def run(
         trigger: str, memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **kw: Any
     ) -> None:
@@ -166,5 +175,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
         interval=options.drift_interval,
         initial_delay=options.drift_interval,
     )
-    async def drift(**kwargs: Any) -> None:
-        await run("timer", **kwargs)
+    async def drift(memo: kopf.Memo, **kwargs: Any) -> None:
+        state = memo.get("reconcile")
+        if drift_slots.locked() or (isinstance(state, ObjectMemo) and state.lock.locked()):
+            return  # the operator is busy, or a handler reconciles this object right now
+        async with drift_slots:
+            await run("timer", memo=memo, **kwargs)
