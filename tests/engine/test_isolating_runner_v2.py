@@ -3,19 +3,22 @@ asynchronous scheduling and with speculative decoding.
 
 The real EngineCore on a tiny random Qwen3 (fp32; on the CPU the Triton kernels run in the
 interpreter, on a GPU with CUDA graphs) with a fault that one request's prompt triggers,
-injected where a V2 step can fail: after its state was staged (input preparation, so the
-failure leaves half-applied device state), inside the model forward, after sampling committed
-the drawn tokens, and when a launched step's tokens are read (while the next step is launched
-already). It fires from the faulty request's first step, or only once it has decoded a few
-tokens. The faulty request ends with an ERROR delta; every other request gets exactly the tokens
-of a run without it; no slot or block leaks; the core keeps serving. And a failure after which
-the device runs no more work stops the core with a DeviceFailure naming it, without retries.
+injected where a V2 step can fail: in input preparation once the host counted the step's
+changes as sent but before they reached the device tables (so the state of every request in
+the step is half-applied), inside the model forward once it wrote the step's K/V, after
+sampling (or verification) committed the drawn tokens, and when a launched step's tokens are
+read (while the next step is launched already). It fires from the faulty request's first
+step, or only once it has decoded a few tokens. The faulty request ends with an ERROR delta;
+every other request gets exactly the tokens of a run without it; after every step the device
+tables agree with the scheduler; no slot or block leaks; the core keeps serving. And a failure
+after which the device runs no more work stops the core with a DeviceFailure naming it,
+without retries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -40,7 +43,7 @@ pytestmark = pytest.mark.slow
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_TOKENS = 6
-PLACES = ("stage", "forward", "sample", "result")
+PLACES = ("apply", "forward", "sample", "result")
 K = 2  # draft tokens per verification (the "spec" mode)
 DRAFT = "random:llama-tiny"
 
@@ -76,14 +79,18 @@ class Fault:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         fault = self
         stage, sample_step = RequestStateTable.stage, v2_runner.sample_step
-        verify = SpecDecoder.verify
+        verify, apply = SpecDecoder.verify, RequestStateTable._apply
         execute_async = v2_runner.RunnerV2.execute_async
 
         def staged(table: RequestStateTable, batch: SchedulerOutput, *args: Any, **kw: Any) -> Any:
-            rows = stage(table, batch, *args, **kw)
             fault.batch = batch
-            fault.check("stage", batch.scheduled)
-            return rows
+            return stage(table, batch, *args, **kw)
+
+        def applied(table: RequestStateTable, *args: Any, **kw: Any) -> Any:
+            # The host's bookkeeping of the step is done, the device tables are not updated.
+            if fault.batch is not None:
+                fault.check("apply", fault.batch.scheduled)
+            return apply(table, *args, **kw)
 
         def sampled(*args: Any, **kw: Any) -> Any:
             drawn = sample_step(*args, **kw)  # committed into the state table already
@@ -118,6 +125,7 @@ class Fault:
             return forwarded
 
         monkeypatch.setattr(RequestStateTable, "stage", staged)
+        monkeypatch.setattr(RequestStateTable, "_apply", applied)
         monkeypatch.setattr(v2_runner, "sample_step", sampled)
         monkeypatch.setattr(SpecDecoder, "verify", verified)
         monkeypatch.setattr(v2_runner.RunnerV2, "execute_async", launched)
@@ -176,6 +184,7 @@ def run(
     deltas: dict[str, list[RequestDelta]] = {}
     for rid, prompt in requests.items():
         core.add_request(EngineRequest(rid, prompt, GREEDY))
+    added = [*requests, *(late or ())]
     num_steps = 0
     while core.has_unfinished_requests() or late:
         if num_steps == 2 and late:
@@ -185,9 +194,32 @@ def run(
         for delta in core.step():
             deltas.setdefault(delta.request_id, []).append(delta)
         core.scheduler.check_invariants()
+        assert_device_state(core, added)
         num_steps += 1
     core.step()
     return deltas
+
+
+def assert_device_state(core: EngineCore, request_ids: Iterable[str]) -> None:
+    """Runner V2's device tables agree with the scheduler for every running request: its block
+    table starts with the request's blocks and its token row with the request's tokens (the row
+    may hold more: tokens of a step still in flight). A failure that left them half-written and
+    was not rebuilt shows here even where the output happens to come out right."""
+    state = core.runner.state  # type: ignore[attr-defined]
+    for request_id in request_ids:
+        request = core.scheduler.get_request(request_id)
+        if request is None:
+            continue  # finished
+        try:
+            slot = state.slot_of(request_id)
+        except KeyError:
+            continue  # waiting, preempted or loading: no slot
+        if request.status.value != "running":
+            continue
+        num_blocks = len(request.block_ids)
+        assert state.block_table[slot, :num_blocks].tolist() == request.block_ids, request_id
+        num_tokens = len(request.token_ids)
+        assert state.token_ids[slot, :num_tokens].tolist() == request.token_ids, request_id
 
 
 def tokens(deltas: list[RequestDelta]) -> list[int]:
