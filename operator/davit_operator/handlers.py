@@ -44,10 +44,14 @@ class OperatorOptions:
     fetch: FetchSettings = FetchSettings()
 
 
-# Drift checks run beside the event handlers that create and update children, all through one
-# pool of API connections (davit_operator.kube). At most this many run at once, and a check that
-# would have to wait skips its round (the next one comes an interval later): with many services,
-# timers then never hold every connection while new services wait for their first children.
+# Reconciles share one pool of API connections (davit_operator.kube), whose requests time out
+# while they wait for a connection. At most this many reconciles run at once and the others wait
+# their turn before sending anything: 1,000 services created at once otherwise queued thousands
+# of requests, most timed out in the pool, and their handlers retried from the start, so almost
+# nothing got through.
+MAX_CONCURRENT_RECONCILES = 16
+# Drift checks take at most this many of those, and a check that would have to wait skips its
+# round (the next one comes an interval later), so timers never delay creations and updates.
 MAX_CONCURRENT_DRIFT_CHECKS = 8
 
 # The kinds the operator creates, each indexed by its owning InferenceService under this id
@@ -132,29 +136,31 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
         return {name: node_facts(name, body)}
 
+    reconcile_slots = asyncio.Semaphore(MAX_CONCURRENT_RECONCILES)
     drift_slots = asyncio.Semaphore(MAX_CONCURRENT_DRIFT_CHECKS)
 
     async def run(
         trigger: str, memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, **kw: Any
     ) -> None:
-        await reconcile(
-            trigger=trigger,
-            runtime=memo.runtime,
-            body=body,
-            patch=patch,
-            indexes=Indexes(
-                deployments=kw["deployment_index"],
-                services=kw["service_index"],
-                budgets=kw["pdb_index"],
-                nodes=kw["node_index"],
-                autoscalers=kw["hpa_index"],
-                pools=kw["pool_index"],
-                routes=kw["route_index"],
-            ),
-            # kopf gives each object its own memo (dropped with the object).
-            memo=memo.setdefault("reconcile", ObjectMemo()),
-            retry_delay=options.retry_delay,
-        )
+        async with reconcile_slots:
+            await reconcile(
+                trigger=trigger,
+                runtime=memo.runtime,
+                body=body,
+                patch=patch,
+                indexes=Indexes(
+                    deployments=kw["deployment_index"],
+                    services=kw["service_index"],
+                    budgets=kw["pdb_index"],
+                    nodes=kw["node_index"],
+                    autoscalers=kw["hpa_index"],
+                    pools=kw["pool_index"],
+                    routes=kw["route_index"],
+                ),
+                # kopf gives each object its own memo (dropped with the object).
+                memo=memo.setdefault("reconcile", ObjectMemo()),
+                retry_delay=options.retry_delay,
+            )
 
     @kopf.on.resume(*resource, registry=registry, backoff=options.retry_delay, id="resume")
     async def on_resume(**kwargs: Any) -> None:
@@ -177,7 +183,8 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     )
     async def drift(memo: kopf.Memo, **kwargs: Any) -> None:
         state = memo.get("reconcile")
-        if drift_slots.locked() or (isinstance(state, ObjectMemo) and state.lock.locked()):
+        busy = drift_slots.locked() or reconcile_slots.locked()
+        if busy or (isinstance(state, ObjectMemo) and state.lock.locked()):
             return  # the operator is busy, or a handler reconciles this object right now
         async with drift_slots:
             await run("timer", memo=memo, **kwargs)
