@@ -9,17 +9,8 @@ from davit_engine.kernels import fp8_gemv
 from davit_engine.kernels.fp8_gemv import GemvConfig, default_split_k
 from davit_engine.kernels.fp8_gemv import fp8_gemv as gemv
 from davit_engine.kernels.fp8_linear import fp8_weight_matmul, fp8_weight_matmul_reference
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # clamped first: torch's CUDA cast (2.11) turns values beyond 448 into NaN
-    weight = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, device=device) * 0.01 + 1e-3
-    return weight, scale
+from tests.engine.kernels.fp8_cases import fp8_weights as _weights
+from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
 
 @pytest.mark.parametrize("rows", list(range(1, 17)))

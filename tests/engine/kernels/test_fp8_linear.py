@@ -12,17 +12,8 @@ from davit_engine.kernels.fp8_linear import (
     quantize_rows,
     quantize_rows_reference,
 )
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # clamped first: torch's CUDA cast (2.11) turns values beyond 448 into NaN
-    weight = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, device=device) * 0.01 + 1e-3
-    return weight, scale
+from tests.engine.kernels.fp8_cases import fp8_weights as _weights
+from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])  # decode tile, partial tile, many rows

@@ -8,6 +8,7 @@ from davit_engine.kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
 
 def _batch(
@@ -31,10 +32,6 @@ def _batch(
     qkv = torch.randn(sum(q_lens), num_q_heads + 2 * num_kv_heads, dim, device=device).to(dtype)
     q = qkv[:, :num_q_heads]
     return q, cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 CASES = [

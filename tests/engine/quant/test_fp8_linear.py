@@ -14,12 +14,9 @@ from davit_engine.config import EngineConfig
 from davit_engine.loader import load_model
 from davit_engine.models.llama import LlamaDecoderLayer
 from davit_engine.quant.fp8_linear import Fp8Linear, quantize_projections
+from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
 CPU = torch.device("cpu")
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _linear(n: int, k: int, bias: bool, device: torch.device = CPU) -> nn.Linear:
