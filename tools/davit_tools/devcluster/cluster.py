@@ -193,20 +193,7 @@ class LocalCluster:
             return
         manifest = {"apiVersion": "v1", "kind": "List", "items": [n.manifest() for n in nodes]}
         self.kubectl("apply", "-f", "-", input=json.dumps(manifest), timeout=timeout)
-        result = self.kubectl(
-            "wait",
-            "--for=condition=Ready",
-            "node",
-            *(n.name for n in nodes),
-            f"--timeout={max(1, int(timeout))}s",
-            check=False,
-            timeout=timeout + 10,
-        )
-        if result.returncode != 0:
-            raise ClusterError(
-                f"fake nodes did not become Ready: {result.stderr.strip()}; see "
-                f"{self.log_dir / 'kwok.log'}"
-            )
+        self._wait_nodes_ready([n.name for n in nodes], max(1, int(timeout)))
 
     def remove_nodes(self, names: Sequence[str], timeout: float = 120.0) -> None:
         """Deletes fake nodes added with ``add_nodes`` (pods still bound to them are collected)."""
@@ -366,15 +353,19 @@ class LocalCluster:
             time.sleep(0.2)
         if not self.nodes:
             return
-        remaining = max(1, int(deadline - time.monotonic()))
+        self._wait_nodes_ready(
+            [n.name for n in self.nodes], max(1, int(deadline - time.monotonic()))
+        )
+
+    def _wait_nodes_ready(self, names: list[str], timeout_s: int) -> None:
         result = self.kubectl(
             "wait",
             "--for=condition=Ready",
             "node",
-            *(n.name for n in self.nodes),
-            f"--timeout={remaining}s",
+            *names,
+            f"--timeout={timeout_s}s",
             check=False,
-            timeout=remaining + 10,
+            timeout=timeout_s + 10,
         )
         if result.returncode != 0:
             raise ClusterError(
