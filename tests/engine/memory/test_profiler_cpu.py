@@ -21,8 +21,6 @@ TINY = "random:qwen3-tiny"
 
 @pytest.fixture(scope="module")
 def core() -> EngineCore:
-    # 1024 tokens of one sequence: the attention scores alone ([4, 1024, 1024] fp32, 16 MiB) are
-    # fresh pages, so the resident-set peak sees the forward whatever the heap already holds.
     return EngineCore(
         EngineConfig(
             model=TINY, dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=1024
@@ -38,7 +36,10 @@ def test_profile_measures_each_component(core: EngineCore) -> None:
     # qwen3-tiny in float32: parameter bytes exactly.
     params = sum(p.numel() * 4 for p in core.runner.model.parameters())  # type: ignore[attr-defined]
     assert m.weights_bytes >= params
-    assert m.activation_peak_bytes > 0 and m.non_torch_bytes > 0
+    # The activation peak is the resident set's growth: in this long-lived test process the
+    # allocator may serve the forward from pages earlier tests left resident, so it is checked
+    # in a fresh process (test_profile_only_prints_writes_and_serves_nothing).
+    assert m.non_torch_bytes > 0
     assert m.total_bytes > m.budget_bytes > 0
     # The CPU cap: no more than max_num_seqs full-length sequences (or 2 GiB).
     blocks_per_seq = -(-ident.max_model_len // ident.block_size)
@@ -98,7 +99,7 @@ def test_profile_only_prints_writes_and_serves_nothing(tmp_path: Path) -> None:
             "--max-num-seqs",
             "4",
             "--max-num-batched-tokens",
-            "256",
+            "1024",
             "--profile-only",
             "--profile-output",
             str(out),
@@ -111,6 +112,9 @@ def test_profile_only_prints_writes_and_serves_nothing(tmp_path: Path) -> None:
     printed = MemoryProfile.from_json(result.stdout.strip().splitlines()[-1])
     assert MemoryProfile.from_json(out.read_text()) == printed
     assert printed.identity.model == TINY and printed.identity.max_num_seqs == 4
+    # A fresh engine process: the forward's attention scores ([4, 1024, 1024] fp32) are new
+    # pages, so the resident-set peak above the loaded weights is seen.
+    assert printed.memory.activation_peak_bytes > 0 and printed.memory.non_torch_bytes > 0
     assert "Uvicorn running" not in result.stderr
 
 
