@@ -88,13 +88,27 @@ async def apply_children(
         obj = with_hash(child)
         wanted_hash = obj["metadata"]["annotations"][DESIRED_HASH_ANNOTATION]
         recent = memo.applies.get(memo_key)
+        ask_server = False
         if recent is not None:
-            if _hash_of(live) == recent.desired_hash or now - recent.at > RECENT_WRITE_SECONDS:
+            if _hash_of(live) == recent.desired_hash:
                 del memo.applies[memo_key]
+            elif now - recent.at > RECENT_WRITE_SECONDS:
+                # The watch has not shown this process's own write for a long time: either
+                # the cache lags (an API server busy with a thousand new objects) or someone
+                # else changed or deleted the child. The server tells which before any write.
+                del memo.applies[memo_key]
+                ask_server = recent.desired_hash == wanted_hash
             elif recent.desired_hash == wanted_hash:
                 live = recent.live
                 if is_main_deployment:
                     live_deployment = recent.live
+        if ask_server and needs_apply(obj, live):
+            fetched = await kube.get(kind, namespace, child_name)
+            if fetched is not None and not needs_apply(obj, fetched):
+                memo.applies[memo_key] = RecentApply(wanted_hash, fetched, now)
+                if is_main_deployment:
+                    live_deployment = fetched
+                continue
         if not needs_apply(obj, live):
             continue
         applied = await kube.apply(obj)

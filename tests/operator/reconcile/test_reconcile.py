@@ -45,6 +45,24 @@ class RecordingClient:
         self.deleted.append(f"{kind}/{namespace}/{name}/{uid}")
 
 
+class ServerClient(RecordingClient):
+    """Also keeps what it applied and answers reads from it, like the API server."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.reads: list[str] = []
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        live = await super().apply(obj)
+        self.objects[obj["kind"]] = live
+        return live
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append(kind)
+        return copy.deepcopy(self.objects.get(kind))
+
+
 def _indexes(**live: dict[str, Any]) -> Indexes:
     def index(kind: str) -> Any:
         return {KEY: [live[kind]]} if kind in live else {}
@@ -90,6 +108,32 @@ def test_writes_once_even_when_the_watch_lags() -> None:
     drifted["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
     _run(client, _indexes(deployment=drifted, service=service), memo)
     assert client.applied == ["Deployment", "Service", "Deployment"]
+
+
+def test_a_watch_lagging_past_the_window_costs_a_read_not_a_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("davit_operator.reconcile.apply.time.monotonic", lambda: clock[0])
+    client = ServerClient()
+    memo = ObjectMemo()
+    _run(client, _indexes(), memo)
+    assert client.applied == ["Deployment", "Service"] and client.reads == []
+    # Two minutes on, the watch has still shown neither child: the server has both.
+    clock[0] += 120
+    _run(client, _indexes(), memo)
+    assert client.applied == ["Deployment", "Service"]
+    assert client.reads == ["Deployment", "Service"]
+    # Inside the renewed window, no more reads.
+    _run(client, _indexes(), memo)
+    assert client.reads == ["Deployment", "Service"]
+    # Someone deleted the Service meanwhile: past the window the read finds nothing, and
+    # only the Service is applied again.
+    del client.objects["Service"]
+    clock[0] += 120
+    _run(client, _indexes(), memo)
+    assert client.applied == ["Deployment", "Service", "Service"]
+    assert client.reads[2:] == ["Deployment", "Service"]
 
 
 def test_budget_follows_the_replica_count() -> None:
