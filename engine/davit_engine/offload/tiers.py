@@ -53,7 +53,10 @@ FLUSH_STEPS = 8
 # Disk writes under way at most: a CPU-tier block evicted beyond that is dropped, not written,
 # so a slow disk never holds host slots hostage.
 MAX_DISK_WRITES = 256
-DISK_WORKERS = 4
+# Threads reading and threads writing block files: apart, so reads never queue behind writes
+# that a slow or full disk holds up.
+DISK_READERS = 4
+DISK_WRITERS = 4
 
 
 @dataclass
@@ -115,8 +118,11 @@ class KvTiers(LowerTiers):
         # Events of queued loads that no step has waited for yet (see `flush`).
         self._unwaited: list[torch.cuda.Event] = []
         self._finished: list[tuple[int, int]] = []
-        self._executor = (
-            ThreadPoolExecutor(DISK_WORKERS, thread_name_prefix="kv-disk") if disk else None
+        self._readers = (
+            ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kv-disk-read") if disk else None
+        )
+        self._writers = (
+            ThreadPoolExecutor(DISK_WRITERS, thread_name_prefix="kv-disk-write") if disk else None
         )
         self.cpu_stats = KvTierStats("cpu", capacity_bytes=cpu_blocks * self.block_bytes)
         self.disk_stats = KvTierStats("disk", capacity_bytes=disk.capacity_bytes if disk else 0)
@@ -183,11 +189,11 @@ class KvTiers(LowerTiers):
             slot = self._free_slot()
             if slot is None:
                 break
-            assert self._executor is not None
+            assert self._readers is not None
             self.pool.pin(slot)
             self.disk.pin(block_hash)
             self.disk.touch(block_hash)
-            read = self._executor.submit(
+            read = self._readers.submit(
                 _read_job,
                 self.disk.path(block_hash),
                 self.disk.digest,
@@ -339,7 +345,7 @@ class KvTiers(LowerTiers):
 
     def _write_to_disk(self, block_hash: bytes, slot: int) -> None:
         disk = self.disk
-        assert disk is not None and self._executor is not None
+        assert disk is not None and self._writers is not None
         victims = disk.reserve()
         if victims is None:  # every file is being read: nothing can make room now
             self.disk_stats.dropped_stores += 1
@@ -347,7 +353,7 @@ class KvTiers(LowerTiers):
             return
         self.pool.pin(slot)
         self._writing[block_hash] = slot
-        future = self._executor.submit(
+        future = self._writers.submit(
             _write_job,
             disk.path(block_hash),
             disk.digest,
@@ -568,10 +574,11 @@ class KvTiers(LowerTiers):
                     break
                 self._write_to_disk(block_hash, slot)
             self.drain(max(0.0, deadline - time.monotonic()))
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            if self._writes:
-                self._reap_writes()
+        for executor in (self._readers, self._writers):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+        if self._writes:
+            self._reap_writes()
         self.pool.close()
 
 

@@ -310,7 +310,8 @@ def test_writes_behind_a_slow_disk_leave_host_slots_for_reads(
 ) -> None:
     """Without a CPU tier every host slot is a bounce buffer. Writes that back up behind a
     slow disk hold theirs until the file is written; they may take half of the slots, never
-    the rest, so a returning prefix is still read from disk rather than computed again."""
+    the rest, so a returning prefix is still read from disk rather than computed again, and
+    without waiting for any write."""
     core = make_core(gpu_blocks=12, disk=tmp_path)
     tiers = tiers_of(core)
     prefix = prompt_of(30, 6 * BS)
@@ -320,10 +321,12 @@ def test_writes_behind_a_slow_disk_leave_host_slots_for_reads(
     assert disk is not None and all(h in disk for h in chain(prefix, 6))
     stuck = threading.Event()
     write_block = disk_io.write_block
+    written: list[Path] = []
 
     def slow_write(path: Path, header: bytes, payload: np.ndarray) -> None:
         stuck.wait(60)
         write_block(path, header, payload)
+        written.append(path)
 
     monkeypatch.setattr(disk_io, "write_block", slow_write)
     for i in range(12):  # 132 new full blocks to store, far more than the host slots
@@ -336,6 +339,8 @@ def test_writes_behind_a_slow_disk_leave_host_slots_for_reads(
         reference, question, "ref-slow", max_tokens=6
     )
     assert tiers.stats()[0].load_bytes - loaded_before == 6 * TINY_BLOCK_BYTES
+    # The reads did not wait for any of the stuck writes (their own threads).
+    assert written == []
     stuck.set()
     tiers.drain()
     core.shutdown()
