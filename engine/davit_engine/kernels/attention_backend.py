@@ -53,7 +53,7 @@ class TritonPagedAttention:
             num_splits = fixed
         elif meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
             num_splits = default_num_splits(
-                int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len
+                int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len, q.device
             )
         return paged_attention(
             q,

@@ -240,10 +240,16 @@ _DECODE_BLOCK_N = 64
 MAX_SPLITS = 16
 
 
-def default_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int) -> int:
+def default_num_splits(
+    num_requests: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
     """Key-range splits for a decode step: enough programs for about four per multiprocessor
-    of a large GPU, at most one split per 32-key tile. Splits past the keys a step has do no work, so a CUDA graph
-    captured for `max_model_len` keeps short contexts cheap while long ones spread out."""
+    of a large GPU, at most one split per 32-key tile. Splits past the keys a step has do no
+    work, so a CUDA graph captured for `max_model_len` keeps short contexts cheap while long ones
+    spread out. Off a GPU (Triton's interpreter runs one program after another) splitting only
+    adds the merge pass: one split."""
+    if device.type != "cuda":
+        return 1
     programs = max(num_requests * num_kv_heads, 1)
     wanted = max(1, math.ceil(528 / programs))
     return max(1, min(MAX_SPLITS, wanted, math.ceil(max_seq_len / _SPLIT_DECODE_BLOCK_N)))

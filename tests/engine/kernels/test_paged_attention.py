@@ -81,11 +81,14 @@ def test_padding_rows_without_blocks_give_zeros(device: torch.device) -> None:
 
 
 def test_default_num_splits() -> None:
-    assert default_num_splits(1, 8, 1280) == 16  # capped
-    assert default_num_splits(1, 8, 300) == 10  # one split per 32-key tile
-    assert default_num_splits(1, 8, 5) == 1
-    assert default_num_splits(16, 8, 100_000) == 5  # 128 programs -> ~4 per multiprocessor
-    assert default_num_splits(256, 8, 4096) == 1
+    gpu = torch.device("cuda")
+    assert default_num_splits(1, 8, 1280, gpu) == 16  # capped
+    assert default_num_splits(1, 8, 300, gpu) == 10  # one split per 32-key tile
+    assert default_num_splits(1, 8, 5, gpu) == 1
+    # The interpreter runs programs one after another: splits would only add the merge.
+    assert default_num_splits(1, 8, 1280, torch.device("cpu")) == 1
+    assert default_num_splits(16, 8, 100_000, gpu) == 5  # 128 programs -> ~4 per multiprocessor
+    assert default_num_splits(256, 8, 4096, gpu) == 1
 
 
 def test_many_splits_most_of_them_empty(device: torch.device) -> None:

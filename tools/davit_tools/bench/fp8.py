@@ -249,7 +249,7 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
-    splits = default_num_splits(batch, hkv, ctx)
+    splits = default_num_splits(batch, hkv, ctx, q.device)
     bf16 = torch.randn(2, num_blocks, page, hkv, dim, device="cuda", dtype=torch.bfloat16)
     kv_scale = torch.full((2, hkv), 4.0 / 448, device="cuda")
     fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)

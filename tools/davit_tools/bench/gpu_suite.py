@@ -270,7 +270,7 @@ def section_kernels(args: argparse.Namespace) -> None:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = batch * ctx * hkv * dim * 2 * 2
-        for splits in sorted({1, default_num_splits(batch, hkv, ctx), 8}):
+        for splits in sorted({1, default_num_splits(batch, hkv, ctx, q.device), 8}):
             us = graph_us(
                 functools.partial(
                     paged_attention, q, cache, tables, seq_lens, qsl, 1, dim**-0.5, splits

@@ -70,7 +70,7 @@ def attention() -> None:
     q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
     kv_bytes = 2 * ctx * KV_HEADS * HEAD_DIM * 2
     for horizon in (2048, 8192):
-        splits = default_num_splits(1, KV_HEADS, horizon)
+        splits = default_num_splits(1, KV_HEADS, horizon, q.device)
         for num_splits in sorted({1, 8, 16, splits}):
 
             def run(n: int = num_splits) -> object:

@@ -152,7 +152,7 @@ class DraftModel:
         )
         if NUM_KV_SPLITS_KEY in meta.scratch:  # a captured step: a fixed launch shape
             draft_meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-                num_rows, self.model_config.num_kv_heads, meta.max_seq_len
+                num_rows, self.model_config.num_kv_heads, meta.max_seq_len, self.device
             )
         self.model(input_ids, positions, self.kv_caches, draft_meta)
 
@@ -219,7 +219,7 @@ class DraftModel:
             backend=self.backend,
         )
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-            num_rows, self.model_config.num_kv_heads, horizon
+            num_rows, self.model_config.num_kv_heads, horizon, self.device
         )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
         out.copy_(self.model.lm_head(hidden))

@@ -455,7 +455,7 @@ class RunnerV2(PagedKvRunner):
         # Split keys as decode does (fixed per captured size): without, one program per row and
         # KV head walks the whole context, and the step costs several decode steps.
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-            num_rows, self.model_config.num_kv_heads, self.max_model_len
+            num_rows, self.model_config.num_kv_heads, self.max_model_len, self.device
         )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [T, hidden]
         if self.draft is not None:
@@ -491,7 +491,7 @@ class RunnerV2(PagedKvRunner):
             backend=self.backend,
         )
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-            num_rows, self.model_config.num_kv_heads, horizon
+            num_rows, self.model_config.num_kv_heads, horizon, self.device
         )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
         if self.draft is not None:
