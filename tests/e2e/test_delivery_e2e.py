@@ -101,7 +101,8 @@ def spec(
     return {
         "model": model,
         "engine": {"type": "davit", "version": "0.1.0"},
-        "limits": {"kvCacheMemoryBytes": 64 << 20},
+        # Small KV and step budget: a quick startup profile (see conftest.base_spec).
+        "limits": {"kvCacheMemoryBytes": 64 << 20, "maxNumBatchedTokens": 256},
         "accelerator": {"vendor": "cpu"},
         "replicas": replicas,
         "pod": {"nodeSelector": {"kubernetes.io/hostname": NODE}},
