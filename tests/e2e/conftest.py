@@ -20,7 +20,7 @@ import yaml
 from davit_operator.api.crdgen import default_crd_path
 from tests.support import reference_gguf
 
-from .kubelet import EngineKubelet, host_path_claim
+from .kubelet import EngineKubelet, cpu_engine_limits, host_path_claim
 from .sources import free_port
 
 if TYPE_CHECKING:
@@ -158,11 +158,7 @@ def base_spec(replicas: int, rollout: dict[str, Any]) -> dict[str, Any]:
             "servedName": "smol",
         },
         "engine": {"type": "davit", "version": "0.1.0"},
-        # An explicit KV size: no memory search at startup, 64 MiB instead of gigabytes per
-        # engine on a shared CPU machine. A 256-token step budget (the tests' prompts are under
-        # 64 tokens): the startup profile's dummy forward of a full step takes about 1 s on two
-        # cores instead of 8 s at the default 2,048, in every engine start.
-        "limits": {"kvCacheMemoryBytes": 64 << 20, "maxNumBatchedTokens": 256},
+        "limits": cpu_engine_limits(),
         "accelerator": {"vendor": "cpu"},
         "replicas": replicas,
         "pod": {"nodeSelector": {"kubernetes.io/hostname": NODE}},

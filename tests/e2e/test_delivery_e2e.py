@@ -29,7 +29,7 @@ import yaml
 
 from davit_operator.api.crdgen import default_crd_path
 
-from .kubelet import EngineKubelet, host_path_claim
+from .kubelet import EngineKubelet, cpu_engine_limits, host_path_claim
 from .model_store import REPO_ID, smollm2_safetensors
 from .sources import HubMirror, S3Server, free_port
 from .waiting import wait_until
@@ -101,8 +101,7 @@ def spec(
     return {
         "model": model,
         "engine": {"type": "davit", "version": "0.1.0"},
-        # Small KV and step budget: a quick startup profile (see conftest.base_spec).
-        "limits": {"kvCacheMemoryBytes": 64 << 20, "maxNumBatchedTokens": 256},
+        "limits": cpu_engine_limits(),
         "accelerator": {"vendor": "cpu"},
         "replicas": replicas,
         "pod": {"nodeSelector": {"kubernetes.io/hostname": NODE}},

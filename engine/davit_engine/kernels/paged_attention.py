@@ -234,7 +234,8 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-# Decode key tile when the key range is split (short splits, latency-bound) and otherwise.
+# Decode key tile when the key range is split (short splits, latency-bound) and otherwise;
+# an FP8 cache's unsplit decode on a GPU takes larger tiles (see paged_attention).
 _SPLIT_DECODE_BLOCK_N = 32
 _DECODE_BLOCK_N = 64
 _FP8_DECODE_BLOCK_N = 128
@@ -291,13 +292,15 @@ def paged_attention(
     is_decode = max_query_len == 1
     block_m = max(16 if is_decode else 64, group_pad)
     block_q = block_m // group_pad
-    block_n = (_SPLIT_DECODE_BLOCK_N if num_splits > 1 else _DECODE_BLOCK_N) if is_decode else 64
-    num_stages = 2
-    if fp8 and is_decode and num_splits == 1 and q.device.type == "cuda":
+    if is_decode and fp8 and num_splits == 1 and q.device.type == "cuda":
         # Many requests, one split each: 128-key tiles without pipelining. The FP8 tile loop is
         # bound by instructions per tile, not bytes; on an H200 at 256 requests of 840 keys
         # (16/8 heads of 128) this took 185 us against 213 us with 64-key tiles (bf16: 218).
         block_n, num_stages = _FP8_DECODE_BLOCK_N, 1
+    elif is_decode:
+        block_n, num_stages = (_SPLIT_DECODE_BLOCK_N if num_splits > 1 else _DECODE_BLOCK_N), 2
+    else:
+        block_n, num_stages = 64, 2
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     if num_splits > 1:
