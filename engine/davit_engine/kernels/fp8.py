@@ -35,7 +35,10 @@ def round_to_e4m3(x):  # type: ignore[no-untyped-def]
     # step = 2^(exponent - 3): three mantissa bits
     c = ((exponent - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+    # x's sign bit onto r by bits: a negation compiles to `0 - r` on the GPU, which turns a
+    # negative value that rounds to zero into +0.0 where torch's cast keeps -0.0
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

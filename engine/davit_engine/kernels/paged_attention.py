@@ -34,37 +34,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_tile(  # type: ignore[no-untyped-def]
-    k_cache_ptr, v_cache_ptr, table_row, tile, tile_end, kv_end, kv_head, dims, dim_valid,
-    stride_cache_block, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Key tile `tile` of one KV head as stored: (key positions, their validity, keys
-    [BLOCK_D, BLOCK_N] (transposed), values [BLOCK_N, BLOCK_D]); nothing is read for a tile at
-    or past `tile_end`."""
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_valid = (keys < kv_end) & (keys < tile_end * BLOCK_N)  # the tile is before tile_end
-    block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
-    key_valid = key_valid & (block >= 0)
-    kv_offs = (
-        block.to(tl.int64) * stride_cache_block
-        + (keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-        + kv_head * HEAD_DIM
-    )
-    k = tl.load(
-        k_cache_ptr + kv_offs[None, :] + dims[:, None],
-        mask=key_valid[None, :] & dim_valid[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        v_cache_ptr + kv_offs[:, None] + dims[None, :],
-        mask=key_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    return keys, key_valid, k, v
-
-
-@triton.jit
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -100,9 +69,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
     F16_DOT: tl.constexpr,
-    FP8_QK: tl.constexpr,
-    FP8_PV: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -140,12 +106,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
             q = q.to(q_ptr.dtype.element_ty)
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
-        if FP8_QK:  # queries rounded to e4m3 per row: keys enter the product unwidened
-            q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-            q_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
-            q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
-            row_scale_log2 = scale_log2 * q_scale
-        elif F16_DOT:
+        if F16_DOT:
             q = to_f16_saturated(q)
         if FP8:
             v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
@@ -155,7 +116,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             # for the product, reads it back one byte per load; with it, V is widened in
             # registers and transposed as fp16, as a bf16 cache is. The value scale itself
             # applies once, to the output (an fp16 scale could underflow).
-            v_unit = (v_scale > 0.0).to(tl.float16 if F16_DOT else q.dtype)
+            v_unit = (v_scale > 0.0).to(q.dtype)
 
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
@@ -168,83 +129,48 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-        if PREFETCH:
-            # The next tile's keys and values are loaded while this one is computed (registers
-            # double-buffered): the widening waits on loads otherwise.
-            keys, key_valid, k, v = _kv_tile(
-                k_cache_ptr, v_cache_ptr, table_row, tile_begin, tile_end, kv_end, kv_head, dims,
-                dim_valid, stride_cache_block, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM,
-            )  # fmt: skip
-            for tile in range(tile_begin, tile_end):
-                keys_n, key_valid_n, k_n, v_n = _kv_tile(
-                    k_cache_ptr, v_cache_ptr, table_row, tile + 1, tile_end, kv_end, kv_head,
-                    dims, dim_valid, stride_cache_block, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM,
-                )  # fmt: skip
-                k_w = k.to(q.dtype)
-                qk = tl.dot(q, k_w, input_precision=DOT_PRECISION) * scale_log2
-                allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
-                qk = tl.where(allowed, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(qk - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_w = v.to(v_unit.dtype) * v_unit
-                acc = acc * alpha[:, None] + tl.dot(
-                    p.to(v_w.dtype), v_w, input_precision=DOT_PRECISION
-                )
-                m_i = m_new
-                keys, key_valid, k, v = keys_n, key_valid_n, k_n, v_n
-        else:
-            for tile in range(tile_begin, tile_end):
-                keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                key_valid = keys < kv_end
-                block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
-                key_valid = key_valid & (block >= 0)
-                kv_offs = (
-                    block.to(tl.int64) * stride_cache_block
-                    + (keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-                    + kv_head * HEAD_DIM
-                )
-                # k: [BLOCK_D, BLOCK_N] (transposed), v: [BLOCK_N, BLOCK_D]
-                k = tl.load(
-                    k_cache_ptr + kv_offs[None, :] + dims[:, None],
-                    mask=key_valid[None, :] & dim_valid[:, None],
+        for tile in range(tile_begin, tile_end):
+            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_valid = keys < kv_end
+            block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
+            key_valid = key_valid & (block >= 0)
+            kv_offs = (
+                block.to(tl.int64) * stride_cache_block
+                + (keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
+                + kv_head * HEAD_DIM
+            )
+            # k: [BLOCK_D, BLOCK_N] (transposed), v: [BLOCK_N, BLOCK_D]
+            k = tl.load(
+                k_cache_ptr + kv_offs[None, :] + dims[:, None],
+                mask=key_valid[None, :] & dim_valid[:, None],
+                other=0.0,
+            )
+            if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
+                v = tl.load(
+                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0,
                 )
-                if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
-                    v = tl.load(
-                        v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                        mask=key_valid[:, None] & dim_valid[None, :],
-                        other=0.0,
-                    )
-                if FP8_QK:
-                    qk = tl.dot(q, k, out_dtype=tl.float32) * row_scale_log2[:, None]
-                else:
-                    if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
-                        k = k.to(q.dtype)
-                    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-                allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
-                qk = tl.where(allowed, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(qk - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if not EARLY_V:
-                    v = tl.load(
-                        v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                        mask=key_valid[:, None] & dim_valid[None, :],
-                        other=0.0,
-                    )
-                if FP8_PV:  # probabilities rounded to e4m3 (times 448): values unwidened
-                    pv = tl.dot((p * 448.0).to(tl.float8e4nv), v, out_dtype=tl.float32)
-                    acc = acc * alpha[:, None] + pv * (1.0 / 448.0)
-                else:
-                    if FP8:  # see v_unit above
-                        v = v.to(v_unit.dtype) * v_unit
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+            if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
+                k = k.to(q.dtype)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not EARLY_V:
+                v = tl.load(
+                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :],
+                    other=0.0,
+                )
+            if FP8:  # see v_unit above
+                v = v.to(q.dtype) * v_unit
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / l_safe[:, None]
@@ -267,155 +193,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-
-
-@triton.jit
-def _paged_decode_pair_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
-    kv_scale_ptr,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    stride_cache_block,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
-    ROTATE: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):
-    """Decode (one new token per request) for query-head groups of one or two, without the
-    matrix unit: each key and value tile stays in the registers it was loaded into, widened to
-    float32, and each of the (at most two) query heads is a row vector of its own, so the
-    scores are reductions over the head dim and the output a reduction over the tile's keys.
-    No tile passes through shared memory, which bounds the matrix-unit kernel on an FP8 cache
-    (there the operands are widened in registers and staged through shared memory)."""
-    gdc_enter(USE_GDC)
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_begin = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
-    if q_len > 0:
-        seq_len = tl.load(seq_lens_ptr + req)
-        dims = tl.arange(0, BLOCK_D)
-        dim_valid = dims < HEAD_DIM
-        head0 = kv_head * GROUP
-        q_row = q_ptr + q_begin.to(tl.int64) * stride_qt
-        if FP8:  # the per-head key scale folds into the score scale
-            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
-        if ROTATE:
-            # Keys are stored as k @ H: rotate the queries with the matrix unit (16 rows: the
-            # group's rows repeated), then take each head's row out of the tile.
-            rows = tl.arange(0, 16) % GROUP
-            q16 = tl.load(
-                q_row + (head0 + rows)[:, None] * stride_qh + dims[None, :],
-                mask=dim_valid[None, :],
-                other=0.0,
-            )
-            q16 = tl.dot(
-                q16,
-                hadamard_tile(BLOCK_D, q16.dtype),
-                input_precision=DOT_PRECISION,
-                out_dtype=tl.float32,
-            )
-            scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
-            q0 = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, q16, 0.0), 0)
-            q1 = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 1, q16, 0.0), 0)
-        else:
-            q0 = tl.load(q_row + head0 * stride_qh + dims, mask=dim_valid, other=0.0)
-            q1 = tl.load(q_row + (head0 + GROUP - 1) * stride_qh + dims, mask=dim_valid, other=0.0)
-        q0 = q0.to(tl.float32) * scale_log2
-        q1 = q1.to(tl.float32) * scale_log2
-
-        num_tiles = tl.cdiv(seq_len, BLOCK_N)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_begin = split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-        m0 = float("-inf")
-        m1 = float("-inf")
-        l0 = 0.0
-        l1 = 0.0
-        acc0 = tl.zeros([BLOCK_D], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
-        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-        for tile in range(tile_begin, tile_end):
-            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_valid = keys < seq_len
-            block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
-            key_valid = key_valid & (block >= 0)
-            kv_offs = (
-                block.to(tl.int64) * stride_cache_block
-                + (keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-                + kv_head * HEAD_DIM
-            )
-            tile_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s0 = tl.where(key_valid, tl.sum(k * q0[None, :], 1), float("-inf"))
-            m0_new = tl.maximum(m0, tl.max(s0, 0))
-            m0_safe = tl.where(m0_new == float("-inf"), 0.0, m0_new)
-            p0 = tl.exp2(s0 - m0_safe)
-            alpha0 = tl.exp2(m0 - m0_safe)
-            l0 = l0 * alpha0 + tl.sum(p0, 0)
-            acc0 = acc0 * alpha0 + tl.sum(p0[:, None] * v, 0)
-            m0 = m0_new
-            if GROUP == 2:
-                s1 = tl.where(key_valid, tl.sum(k * q1[None, :], 1), float("-inf"))
-                m1_new = tl.maximum(m1, tl.max(s1, 0))
-                m1_safe = tl.where(m1_new == float("-inf"), 0.0, m1_new)
-                p1 = tl.exp2(s1 - m1_safe)
-                alpha1 = tl.exp2(m1 - m1_safe)
-                l1 = l1 * alpha1 + tl.sum(p1, 0)
-                acc1 = acc1 * alpha1 + tl.sum(p1[:, None] * v, 0)
-                m1 = m1_new
-
-        v_scale = 1.0
-        if FP8:
-            v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-        _store_decode_row(out_ptr, part_out_ptr, part_lse_ptr, q_begin, head0, split, acc0, l0,
-                          m0, v_scale, dims, dim_valid, stride_ot, stride_oh, NUM_Q_HEADS,
-                          NUM_SPLITS, BLOCK_D)  # fmt: skip
-        if GROUP == 2:
-            _store_decode_row(out_ptr, part_out_ptr, part_lse_ptr, q_begin, head0 + 1, split,
-                              acc1, l1, m1, v_scale, dims, dim_valid, stride_ot, stride_oh,
-                              NUM_Q_HEADS, NUM_SPLITS, BLOCK_D)  # fmt: skip
-
-
-@triton.jit
-def _store_decode_row(  # type: ignore[no-untyped-def]
-    out_ptr, part_out_ptr, part_lse_ptr, q_begin, head, split, acc, l_i, m_i, v_scale, dims,
-    dim_valid, stride_ot, stride_oh, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    result = acc / l_safe * v_scale
-    if NUM_SPLITS == 1:
-        o_offs = q_begin.to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_offs + dims, result.to(out_ptr.dtype.element_ty), mask=dim_valid)
-    else:
-        part_row = (q_begin.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part_row * BLOCK_D + dims, result, mask=dim_valid)
-        tl.store(part_lse_ptr + part_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")))
 
 
 @triton.jit
@@ -480,62 +257,6 @@ def default_num_splits(
     return max(1, min(MAX_SPLITS, wanted, math.ceil(max_seq_len / _SPLIT_DECODE_BLOCK_N)))
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-) -> None:
-    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
-    if is_fp8(kv_cache.dtype):
-        num_kv_heads = kv_cache.shape[3]
-        assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_kv_heads)
-        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
-
-
-def _split_buffers(
-    q: torch.Tensor, num_splits: int, block_d: int, out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if num_splits == 1:
-        return out, out  # unused by the kernels
-    num_tokens, num_q_heads, _ = q.shape
-    part_out = torch.empty(
-        (num_tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
-    )
-    part_lse = torch.empty(
-        (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
-    )
-    return part_out, part_lse
-
-
-def _merge_splits(
-    q: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
-) -> None:
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_splits, block_d = part_out.shape[2], part_out.shape[3]
-    _merge_splits_kernel[(num_tokens, num_q_heads)](
-        part_out,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        **pdl_launch(q.device),
-    )
-
-
-# Experiment switches (benchmarks only): FP8 products in decode attention over an FP8 cache.
-FP8_QK_DOT = False
-FP8_PV_DOT = False
-LAUNCH_OVERRIDE: tuple[int, int, int] | None = None  # (key tile, warps, stages) for decode
-PAIR_DECODE = False  # decode of groups of one or two through `_paged_decode_pair_kernel`
-PREFETCH_DECODE = False  # FP8 decode: next tile loaded while this one is computed
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], contiguous
@@ -561,49 +282,12 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
         return out
-    _check_inputs(q, kv_cache, block_tables, kv_scale)
+    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
     fp8 = is_fp8(kv_cache.dtype)
+    if fp8:
+        assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_kv_heads)
+        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
     group = num_q_heads // num_kv_heads
-    if max_query_len == 1 and group <= 2 and PAIR_DECODE:
-        block_n, num_warps, num_stages = LAUNCH_OVERRIDE or (64, 4, 1)
-        block_d = max(16, triton.next_power_of_2(head_dim))
-        part_out, part_lse = _split_buffers(q, num_splits, block_d, out)
-        _paged_decode_pair_kernel[(num_requests, num_kv_heads, num_splits)](
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            out,
-            part_out,
-            part_lse,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            kv_scale if fp8 else seq_lens,
-            scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            block_tables.stride(0),
-            kv_cache.stride(1),
-            NUM_Q_HEADS=num_q_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            GROUP=group,
-            BLOCK_N=block_n,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            PAGE=page,
-            NUM_SPLITS=num_splits,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            FP8=fp8,
-            ROTATE=fp8 and rotates_keys(head_dim),
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **pdl_launch(q.device),
-        )
-        if num_splits > 1:
-            _merge_splits(q, part_out, part_lse, out)
-        return out
     group_pad = triton.next_power_of_2(group)
     is_decode = max_query_len == 1
     block_m = max(16 if is_decode else 64, group_pad)
@@ -613,16 +297,25 @@ def paged_attention(
         # bound by instructions per tile, not bytes; on an H200 at 256 requests of 840 keys
         # (16/8 heads of 128) this took 185 us against 213 us with 64-key tiles (bf16: 218).
         block_n, num_stages = _FP8_DECODE_BLOCK_N, 1
+    elif is_decode and num_splits > 1:
+        # Short key ranges per program: no pipelining (on an H200 at 1 request of 1,152 keys,
+        # 32/8 heads of 128, 16 splits: 7.5 us against 8.0 us with 2 stages; FP8 8.7 / 9.0).
+        block_n, num_stages = _SPLIT_DECODE_BLOCK_N, 1
     elif is_decode:
-        block_n, num_stages = (_SPLIT_DECODE_BLOCK_N if num_splits > 1 else _DECODE_BLOCK_N), 2
+        block_n, num_stages = _DECODE_BLOCK_N, 2
     else:
         block_n, num_stages = 64, 2
-    num_warps = 4
-    if is_decode and LAUNCH_OVERRIDE is not None:
-        block_n, num_warps, num_stages = LAUNCH_OVERRIDE
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_q_tiles = triton.cdiv(max_query_len, block_q)
-    part_out, part_lse = _split_buffers(q, num_splits, block_d, out)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel
     grid = (num_requests * num_q_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -659,15 +352,24 @@ def paged_attention(
         FP8=fp8,
         ROTATE=fp8 and rotates_keys(head_dim),
         F16_DOT=fp8 and q.dtype != torch.float32,
-        FP8_QK=fp8 and is_decode and FP8_QK_DOT,
-        FP8_PV=fp8 and is_decode and FP8_PV_DOT,
-        PREFETCH=fp8 and is_decode and PREFETCH_DECODE and not FP8_QK_DOT and not FP8_PV_DOT,
-        num_warps=num_warps,
+        num_warps=4,
         num_stages=num_stages,
         **pdl_launch(q.device),
     )
     if num_splits > 1:
-        _merge_splits(q, part_out, part_lse, out)
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            **pdl_launch(q.device),
+        )
     return out
 
 

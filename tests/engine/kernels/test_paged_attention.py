@@ -205,4 +205,3 @@ def test_paged_attention_fp8_bf16_real_shapes(device: torch.device, num_splits: 
     )
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
     assert _rel_err(out, ref) < 1e-2
-
