@@ -13,9 +13,9 @@ weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows
   absolute maximum over 448, computed on the fly) and `torch._scaled_mm` multiplies FP8 by FP8
   with the row and channel scales applied to its float32 accumulator. Otherwise the Triton
   product again.
-- CPU: the same arithmetic in plain torch (FP8 storage, compute in the activation dtype), with
-  the per-token quantization of the activations emulated where CUDA would quantize them; the
-  quality tests measure this path.
+- CPU: the same arithmetic in plain torch (FP8 storage, float32 products rounded once to the
+  activation dtype), with the per-token quantization of the activations emulated where CUDA
+  would quantize them; the quality tests measure this path.
 
 Weights quantized at load take their per-channel scale from the channel's absolute maximum
 (`amax / 448`), so no channel saturates.
@@ -136,15 +136,15 @@ class Fp8Linear(nn.Module):
 
     def _forward_emulated(self, x: torch.Tensor) -> torch.Tensor:
         """What CUDA computes, in plain torch: weight-only at few rows, else with the
-        activations quantized per token as the library path does."""
-        weight = self.weight.to(x.dtype)
+        activations quantized per token as the library path does; float32 products and scales
+        rounded once to the activation dtype, as the kernels' float32 accumulators are."""
+        weight = self.weight.float()
         if x.shape[0] <= self.weight_only_max_rows:
-            out = (x @ weight.t()) * self.weight_scale.to(x.dtype)
+            out = (x.float() @ weight.t()) * self.weight_scale
         else:
             x_q, x_scale = quantize_rows_reference(x)
-            out = (x_q.to(x.dtype) @ weight.t()) * (
-                x_scale.to(x.dtype) * self.weight_scale.to(x.dtype)[None, :]
-            )
+            out = (x_q.float() @ weight.t()) * (x_scale * self.weight_scale[None, :])
+        out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out

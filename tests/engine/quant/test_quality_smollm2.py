@@ -1,6 +1,6 @@
-"""FP8 quality on real weights: SmolLM2-135M (the reference GGUF) on the CPU, where FP8 is
-stored and computed in float32 exactly as CUDA rounds it (quant/fp8_linear.py,
-layers/attention.py), against the unquantized fp32 model.
+"""FP8 quality on real weights: SmolLM2-135M (the reference GGUF) on the CPU in bf16, as a GPU
+serves it, where FP8 is stored and computed as CUDA rounds it (quant/fp8_linear.py,
+layers/attention.py), against the unquantized bf16 model.
 
 Figures (tools/davit_tools/bench/fp8_quality.py): perplexity of Chapter I of Tom Sawyer
 (tests/data/text/, 3,654 tokens, in 512-token prefill chunks over a paged cache of the
@@ -42,10 +42,11 @@ BY_NAME = {c.name: c for c in CONFIGS}
 
 @pytest.fixture(scope="module")
 def base_config(smollm2_gguf: Path) -> EngineConfig:
-    # Small limits: 32 prompts of 48 + 32 tokens fit, prefill is chunked over a few steps.
+    # bf16, as a GPU serves it (the goals are against bf16). Small limits: 32 prompts of
+    # 48 + 32 tokens fit, prefill is chunked over a few steps.
     return EngineConfig(
-        model=str(smollm2_gguf), device="cpu", max_model_len=512, max_num_seqs=32,
-        max_num_batched_tokens=512, num_gpu_blocks=256,
+        model=str(smollm2_gguf), device="cpu", dtype="bfloat16", max_model_len=512,
+        max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=256,
     )  # fmt: skip
 
 
@@ -91,7 +92,8 @@ def test_fp8_kv_cache(
     change, agree = _compare("fp8-kv", base_config, token_ids, baseline)
     assert abs(change) < 0.01  # the goal: within 1%
     # Greedy agreement depends on the CPU: near-ties break differently with its vector width
-    # (31 / 18.2 on one machine, 31 / 14.7 on another); the bounds leave room for that.
+    # (in float32: 31 / 18.2 on one machine, 31 / 14.7 on another; in bf16: 29 / 15.0); the
+    # bounds leave room for that.
     assert agree.first_token >= 26 and agree.mean_common_prefix >= 10
 
 
@@ -99,11 +101,12 @@ def test_fp8_weights(
     base_config: EngineConfig, token_ids: list[int], baseline: dict[str, Any]
 ) -> None:
     """The prefill chunks run the FP8 library GEMM's arithmetic (activations quantized per
-    token): +2.6% when measured, beyond the 2% goal. The weight-only product that decode at
-    small batch uses is within it (next test)."""
+    token, float32 products rounded once to bf16): +1.6% when measured."""
     change, agree = _compare("fp8-weights", base_config, token_ids, baseline)
-    assert abs(change) < 0.03
-    assert agree.first_token >= 24 and agree.mean_common_prefix >= 10
+    assert abs(change) < 0.02  # the goal: within 2%
+    # Measured in bf16: 27 of 32 first tokens, 8.3 tokens in common on average (bf16's own
+    # rounding leaves more near-ties than float32, where it was 31 / 10.7).
+    assert agree.first_token >= 24 and agree.mean_common_prefix >= 5
 
 
 def test_fp8_weights_weight_only_product(
@@ -121,7 +124,7 @@ def test_fp8_weights_and_kv_cache(
     base_config: EngineConfig, token_ids: list[int], baseline: dict[str, Any]
 ) -> None:
     change, agree = _compare("fp8-both", base_config, token_ids, baseline)
-    assert abs(change) < 0.035  # measured +3.1%: the weights' +2.6% and the cache's +0.5%
-    # A 135M model has many near-ties: completions part after a few tokens (7 and 9 on average
-    # on two machines), but the first token agrees in most prompts (31 and 27 of 32).
+    assert abs(change) < 0.035  # measured +2.6%: the weights' +1.6% and the cache's +0.4%
+    # A 135M model has many near-ties: completions part after a few tokens (10.4 on average in
+    # bf16), but the first token agrees in most prompts (29 of 32).
     assert agree.first_token >= 24 and agree.mean_common_prefix >= 5
