@@ -139,13 +139,14 @@ class Fp8Linear(nn.Module):
         activations quantized per token as the library path does; float32 products and scales
         rounded once to the activation dtype, as the kernels' float32 accumulators are."""
         weight = self.weight.float()
-        if x.shape[0] <= self.weight_only_max_rows:
+        if x.shape[0] <= self.weight_only_max_rows:  # the kernels add the bias in float32
             out = (x.float() @ weight.t()) * self.weight_scale
-        else:
-            x_q, x_scale = quantize_rows_reference(x)
-            out = (x_q.float() @ weight.t()) * (x_scale * self.weight_scale[None, :])
-        out = out.to(x.dtype)
-        if self.bias is not None:
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype)
+        x_q, x_scale = quantize_rows_reference(x)
+        out = ((x_q.float() @ weight.t()) * (x_scale * self.weight_scale[None, :])).to(x.dtype)
+        if self.bias is not None:  # after the library product, in the activation dtype
             out = out + self.bias
         return out
 
