@@ -18,7 +18,10 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   an FP8 KV cache (`--w2-variants`), decode tok/s against each one's bandwidth floor, and
   whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache;
-- `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess.
+- `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess;
+- `quality`: the quality figures of `tests/engine/quant/test_quality_smollm2.py` on this GPU
+  (SmolLM2-135M from `--smollm2-gguf`, bf16, the GPU kernels: Triton attention, the FP8
+  products): perplexity of the test's text and greedy agreement with bf16 per configuration.
 
 Every result is a JSON line in `$OUT/fp8.jsonl` with its configuration; a table is printed last.
 """
@@ -392,6 +395,47 @@ def section_memory(args: argparse.Namespace) -> None:
     record("memory", returncode=done.returncode, rows=lines, command=" ".join(cmd[1:]))
 
 
+def section_quality(args: argparse.Namespace) -> None:
+    from davit_engine.config import EngineConfig
+    from davit_engine.kernels.attention_backend import TritonPagedAttention
+    from davit_engine.loader import load_model
+    from davit_engine.tokenizer import load_tokenizer
+    from davit_tools.bench.fp8_quality import (
+        CONFIGS,
+        agreement,
+        agreement_prompts,
+        engine_config,
+        greedy_completions,
+        perplexity,
+    )
+
+    if args.smollm2_gguf is None:
+        raise ValueError("--smollm2-gguf: the quality section needs the SmolLM2 GGUF")
+    base = EngineConfig(
+        model=str(args.smollm2_gguf), device="cuda", dtype="bfloat16", max_model_len=512,
+        max_num_seqs=32, max_num_batched_tokens=512,
+    )  # fmt: skip
+    ids = load_tokenizer(base).encode(Path(args.quality_text).read_text())
+    prompts = agreement_prompts(ids)
+    cuda = torch.device("cuda")
+    reference: dict[str, Any] = {}
+    for quality in CONFIGS:
+        config = engine_config(base, quality)
+        loaded = load_model(config, cuda)
+        ppl = perplexity(loaded, ids, cuda, backend=TritonPagedAttention())
+        del loaded
+        torch.cuda.empty_cache()
+        completions = greedy_completions(config, prompts)
+        row: dict[str, Any] = {"config": quality.name, "tokens": len(ids),
+                               "perplexity": round(ppl, 3)}  # fmt: skip
+        if not reference:
+            reference = {"perplexity": ppl, "completions": completions}
+        else:
+            row["change_pct"] = round(100 * (ppl / reference["perplexity"] - 1), 2)
+            row.update(agreement(reference["completions"], completions).as_dict())
+        record("quality", **row, **versions())
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tests": section_tests,
     "gemm": section_gemm,
@@ -399,6 +443,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w2": section_w2,
     "w1": section_w1,
     "memory": section_memory,
+    "quality": section_quality,
 }
 
 
@@ -445,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests-timeout-s", type=float, default=240)
     parser.add_argument("--tests-args", default="", help='extra pytest arguments, e.g. "-m gpu"')
     parser.add_argument("--deadline-s", type=float, default=560, help="skip sections after this")
+    parser.add_argument("--smollm2-gguf", type=Path, default=None)
+    parser.add_argument("--quality-text", default="tests/data/text/tom-sawyer-chapter-1.txt")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
