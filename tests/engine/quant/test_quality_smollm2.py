@@ -25,11 +25,8 @@ from davit_engine.quant.fp8_linear import Fp8Linear
 from davit_engine.tokenizer import load_tokenizer
 from davit_tools.bench.fp8_quality import (
     CONFIGS,
-    QualityConfig,
     agreement,
-    agreement_prompts,
-    engine_config,
-    greedy_completions,
+    measure,
     perplexity,
 )
 
@@ -55,24 +52,15 @@ def token_ids(base_config: EngineConfig) -> list[int]:
     return load_tokenizer(base_config).encode(TEXT.read_text())
 
 
-def _measure(base: EngineConfig, ids: list[int], quality: QualityConfig) -> dict[str, Any]:
-    config = engine_config(base, quality)
-    loaded = load_model(config, CPU)
-    figures: dict[str, Any] = {"perplexity": perplexity(loaded, ids, CPU)}
-    del loaded
-    figures["completions"] = greedy_completions(config, agreement_prompts(ids))
-    return figures
-
-
 @pytest.fixture(scope="module")
 def baseline(base_config: EngineConfig, token_ids: list[int]) -> dict[str, Any]:
-    return _measure(base_config, token_ids, BY_NAME["baseline"])
+    return measure(base_config, BY_NAME["baseline"], token_ids, CPU)
 
 
 def _compare(
     name: str, base_config: EngineConfig, token_ids: list[int], baseline: dict[str, Any]
 ) -> tuple[float, Any]:
-    figures = _measure(base_config, token_ids, BY_NAME[name])
+    figures = measure(base_config, BY_NAME[name], token_ids, CPU)
     change = figures["perplexity"] / baseline["perplexity"] - 1
     agree = agreement(baseline["completions"], figures["completions"])
     print(

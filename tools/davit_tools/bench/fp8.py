@@ -398,16 +398,8 @@ def section_memory(args: argparse.Namespace) -> None:
 def section_quality(args: argparse.Namespace) -> None:
     from davit_engine.config import EngineConfig
     from davit_engine.kernels.attention_backend import TritonPagedAttention
-    from davit_engine.loader import load_model
     from davit_engine.tokenizer import load_tokenizer
-    from davit_tools.bench.fp8_quality import (
-        CONFIGS,
-        agreement,
-        agreement_prompts,
-        engine_config,
-        greedy_completions,
-        perplexity,
-    )
+    from davit_tools.bench.fp8_quality import CONFIGS, agreement, measure
 
     if args.smollm2_gguf is None:
         raise ValueError("--smollm2-gguf: the quality section needs the SmolLM2 GGUF")
@@ -416,23 +408,18 @@ def section_quality(args: argparse.Namespace) -> None:
         max_num_seqs=32, max_num_batched_tokens=512,
     )  # fmt: skip
     ids = load_tokenizer(base).encode(Path(args.quality_text).read_text())
-    prompts = agreement_prompts(ids)
-    cuda = torch.device("cuda")
     reference: dict[str, Any] = {}
     for quality in CONFIGS:
-        config = engine_config(base, quality)
-        loaded = load_model(config, cuda)
-        ppl = perplexity(loaded, ids, cuda, backend=TritonPagedAttention())
-        del loaded
-        torch.cuda.empty_cache()
-        completions = greedy_completions(config, prompts)
+        figures = measure(base, quality, ids, torch.device("cuda"), TritonPagedAttention())
         row: dict[str, Any] = {"config": quality.name, "tokens": len(ids),
-                               "perplexity": round(ppl, 3)}  # fmt: skip
+                               "perplexity": round(figures["perplexity"], 3)}  # fmt: skip
         if not reference:
-            reference = {"perplexity": ppl, "completions": completions}
+            reference = figures
         else:
-            row["change_pct"] = round(100 * (ppl / reference["perplexity"] - 1), 2)
-            row.update(agreement(reference["completions"], completions).as_dict())
+            row["change_pct"] = round(
+                100 * (figures["perplexity"] / reference["perplexity"] - 1), 2
+            )
+            row.update(agreement(reference["completions"], figures["completions"]).as_dict())
         record("quality", **row, **versions())
 
 

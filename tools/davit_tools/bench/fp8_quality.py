@@ -93,6 +93,23 @@ def perplexity(loaded: Any, token_ids: list[int], device: torch.device, backend:
     return math.exp(total / (num - 1))
 
 
+def measure(base: Any, quality: QualityConfig, token_ids: list[int], device: torch.device,
+            backend: Any = None) -> dict[str, Any]:  # fmt: skip
+    """One configuration's figures: the perplexity of `token_ids` (the model loaded on `device`,
+    attention through `backend`) and its greedy completions of `agreement_prompts`. The model
+    is released before the engine core of the completions loads its own."""
+    from davit_engine.loader import load_model
+
+    config = engine_config(base, quality)
+    loaded = load_model(config, device)
+    figures: dict[str, Any] = {"perplexity": perplexity(loaded, token_ids, device, backend)}
+    del loaded
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    figures["completions"] = greedy_completions(config, agreement_prompts(token_ids))
+    return figures
+
+
 def agreement_prompts(token_ids: list[int]) -> list[list[int]]:
     """`NUM_PROMPTS` windows of `PROMPT_TOKENS` ids, evenly spaced over the text."""
     last = len(token_ids) - PROMPT_TOKENS
