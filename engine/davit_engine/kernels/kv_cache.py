@@ -8,7 +8,9 @@ An FP8 cache (`float8_e4m3fn`) stores `(k @ H) / k_scale[head]` and `v / v_scale
 rounded to e4m3 and saturated, with H the Hadamard matrix of the head dim (keys unrotated where
 the head dim is not a power of two; `layers/fp8.py` says why keys are rotated); `kv_scale` is
 the layer's `[2, num_kv_heads]` float32 table (row 0 keys, row 1 values). A cache in the
-model's dtype ignores it.
+model's dtype ignores it. An FP8 cache's values are stored key-minor within each block,
+`[num_kv_heads, head_dim, block_size]` (`layers.fp8.fp8_values_by_key`): the attention product
+sums over keys, and an 8-bit matrix operand needs its summed dimension contiguous.
 """
 
 from __future__ import annotations
@@ -18,7 +20,54 @@ import triton
 import triton.language as tl
 
 from davit_engine.kernels.fp8 import hadamard_tile, round_to_e4m3
-from davit_engine.layers.fp8 import hadamard, is_fp8, quantize_fp8, rotates_keys
+from davit_engine.layers.fp8 import is_fp8, rotates_keys, write_fp8_kv
+
+
+@triton.jit
+def store_token_kv(  # type: ignore[no-untyped-def]
+    k,  # [BLOCK_H, BLOCK_D] one token's keys, in the model dtype
+    v,  # [BLOCK_H, BLOCK_D] its values
+    cache_ptr,
+    slot,  # int64 flat slot, >= 0
+    scale_ptr,
+    value_offset,
+    num_heads,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Store one token's keys and values at `slot` in the cache's layout (module docstring):
+    shared by `write_kv` and the rotary kernel that writes the cache itself, so both store the
+    same bytes."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < HEAD_DIM)
+    if FP8:
+        head_valid = heads < num_heads
+        k_scale = tl.load(scale_ptr + heads, mask=head_valid, other=1.0)
+        v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
+        if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
+            k = tl.dot(k, hadamard_tile(BLOCK_D, k.dtype), input_precision=DOT_PRECISION)
+        k = round_to_e4m3(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
+        v = round_to_e4m3(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
+    dst = cache_ptr + slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # values key-minor within the block: [heads, dim, key]
+        v_dst = (
+            cache_ptr
+            + value_offset
+            + (slot // PAGE) * (PAGE * num_heads * HEAD_DIM)
+            + heads * (HEAD_DIM * PAGE)
+            + dims * PAGE
+            + slot % PAGE
+        )
+    else:
+        v_dst = dst + value_offset
+    tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -34,6 +83,7 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
     stride_vh,
     value_offset,  # elements between cache[0] and cache[1]
     num_heads,
+    PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -49,17 +99,17 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
         mask = (heads < num_heads) & (dims < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        if FP8:
-            head_valid = heads < num_heads
-            k_scale = tl.load(scale_ptr + heads, mask=head_valid, other=1.0)
-            v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
-            if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
-                k = tl.dot(k, hadamard_tile(BLOCK_D, k.dtype), input_precision=DOT_PRECISION)
-            k = round_to_e4m3(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
-            v = round_to_e4m3(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
-        dst = cache_ptr + slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        store_token_kv(
+            k, v, cache_ptr, slot, scale_ptr, value_offset, num_heads, PAGE, HEAD_DIM, BLOCK_H,
+            BLOCK_D, FP8, ROTATE, DOT_PRECISION,
+        )  # fmt: skip
+
+
+def key_tile_heads(num_heads: int, rotate: bool) -> int:
+    """Rows of the per-token key tile `store_token_kv` takes: the heads padded to a power of
+    two, and to the 16 rows a matrix-unit product needs where keys are rotated."""
+    block_h = triton.next_power_of_2(num_heads)
+    return max(block_h, 16) if rotate else block_h
 
 
 def write_kv(
@@ -79,7 +129,6 @@ def write_kv(
         assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_heads)
         assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
     rotate = fp8 and rotates_keys(head_dim)
-    block_h = triton.next_power_of_2(num_heads)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -92,8 +141,9 @@ def write_kv(
         v.stride(1),
         kv_cache[0].numel(),
         num_heads,
+        PAGE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_H=max(block_h, 16) if rotate else block_h,  # a matrix-unit tile needs 16 rows
+        BLOCK_H=key_tile_heads(num_heads, rotate),
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=fp8,
         ROTATE=rotate,
@@ -109,17 +159,13 @@ def write_kv_reference(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch twin of `write_kv`, padding slots included."""
+    if is_fp8(kv_cache.dtype):
+        assert kv_scale is not None
+        write_fp8_kv(k, v, kv_cache, slot_mapping, kv_scale)
+        return
     num_blocks, block_size, num_heads, head_dim = kv_cache.shape[1:]
     flat = kv_cache.view(2, num_blocks * block_size, num_heads, head_dim)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    if is_fp8(kv_cache.dtype):
-        assert kv_scale is not None
-        keys = k[keep].float()
-        if rotates_keys(head_dim):
-            keys = keys @ hadamard(head_dim, keys.device)
-        flat[0][slots] = quantize_fp8(keys, kv_scale[0][:, None])
-        flat[1][slots] = quantize_fp8(v[keep], kv_scale[1][:, None])
-        return
     flat[0][slots] = k[keep].to(kv_cache.dtype)
     flat[1][slots] = v[keep].to(kv_cache.dtype)

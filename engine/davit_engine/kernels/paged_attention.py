@@ -15,7 +15,10 @@ accumulation (the queries clamped into fp16's range; fp32 models stay in fp32). 
 per-head scales apply once, to the scores (`q.(s k) = s (q.k)`) and to the output (`v_scale`),
 since both are constant within a program (one KV head), never per element. Its keys are stored
 Hadamard-rotated, so each program rotates its query tile the same way (`q @ H`, the matrix made
-in registers) and divides the scores by the head dim (`H @ H^T = D * I`).
+in registers) and divides the scores by the head dim (`H @ H^T = D * I`). Its values are
+stored key-minor in each block, so a value tile is read as 16-byte runs of keys and enters the
+product as the keys do (e4m3 bytes in the matrix unit's operand layout, widened there) instead
+of being widened, staged through shared memory as fp16 and read back transposed.
 """
 
 from __future__ import annotations
@@ -28,9 +31,61 @@ import triton.language as tl
 
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
-from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
+from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fp8_values_tile(  # type: ignore[no-untyped-def]
+    v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """An FP8 cache's values for keys `tile * BLOCK_N + [0, BLOCK_N)`, as [BLOCK_N, BLOCK_D].
+
+    They are stored key-minor in each block (`[heads, dim, key]`, kernels/kv_cache.py), so the
+    tile is read as runs of min(PAGE, BLOCK_N) contiguous keys: one block-table entry per run,
+    and a mask per run (keys past `kv_end` inside a run are read too; a zeroed cache keeps them
+    finite and their probabilities are zero), which lets each run be wide loads (16 bytes at
+    pages of 16)."""
+    RUN: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    RUNS: tl.constexpr = BLOCK_N // RUN
+    run_start = tile * BLOCK_N + tl.arange(0, RUNS) * RUN  # first key of each run
+    run_valid = run_start < kv_end
+    block = tl.load(table_row + run_start // PAGE, mask=run_valid, other=-1)
+    run_valid = run_valid & (block >= 0)
+    base = block.to(tl.int64) * stride_cache_block + kv_head * (HEAD_DIM * PAGE) + run_start % PAGE
+    in_run = tl.arange(0, RUN)
+    # [BLOCK_D, RUNS, RUN]
+    offs = base[None, :, None] + (dims * PAGE)[:, None, None] + in_run[None, None, :]
+    vt = tl.load(
+        v_cache_ptr + offs,
+        mask=dim_valid[:, None, None] & run_valid[None, :, None],
+        other=0.0,
+    )
+    return tl.trans(tl.reshape(vt, [BLOCK_D, BLOCK_N]))
+
+
+@triton.jit
+def _values_tile(  # type: ignore[no-untyped-def]
+    v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims, dim_valid,
+    stride_cache_block, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """The values of keys `tile * BLOCK_N + [0, BLOCK_N)` as [BLOCK_N, BLOCK_D]: an FP8 cache's
+    key-minor runs, or a model-dtype cache's rows at `kv_offs`."""
+    if FP8:
+        return _fp8_values_tile(
+            v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
+            BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS, HEAD_DIM,
+        )  # fmt: skip
+    else:
+        return tl.load(
+            v_cache_ptr + kv_offs[:, None] + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
 
 
 @triton.jit
@@ -110,13 +165,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             q = to_f16_saturated(q)
         if FP8:
             v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-            # Each widened value is multiplied by a 1.0 the compiler cannot see (the scale is
-            # positive): without an arithmetic step between the widening and the product, the
-            # compiler stages V through shared memory as bytes and, since V's tile is transposed
-            # for the product, reads it back one byte per load; with it, V is widened in
-            # registers and transposed as fp16, as a bf16 cache is. The value scale itself
-            # applies once, to the output (an fp16 scale could underflow).
-            v_unit = (v_scale > 0.0).to(q.dtype)
 
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
@@ -146,11 +194,11 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                 other=0.0,
             )
             if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
-                v = tl.load(
-                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :],
-                    other=0.0,
-                )
+                v = _values_tile(
+                    v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
+                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS,
+                    HEAD_DIM, FP8,
+                )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
                 k = k.to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -162,13 +210,13 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             if not EARLY_V:
-                v = tl.load(
-                    v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :],
-                    other=0.0,
-                )
-            if FP8:  # see v_unit above
-                v = v.to(q.dtype) * v_unit
+                v = _values_tile(
+                    v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
+                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS,
+                    HEAD_DIM, FP8,
+                )  # fmt: skip
+            if FP8:  # e4m3 widens exactly to fp16
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -234,11 +282,13 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-# Decode key tile when the key range is split (short splits, latency-bound) and otherwise;
-# an FP8 cache's unsplit decode on a GPU takes larger tiles (see paged_attention).
+# Decode key tiles (see paged_attention): short split ranges, longer ranges, and an FP8
+# cache's of each; splits above _PIPELINED_MAX_SPLITS count as short.
 _SPLIT_DECODE_BLOCK_N = 32
 _DECODE_BLOCK_N = 64
-_FP8_DECODE_BLOCK_N = 128
+_FP8_DECODE_BLOCK_N = 64
+_FP8_SPLIT_DECODE_BLOCK_N = 64
+_PIPELINED_MAX_SPLITS = 8
 MAX_SPLITS = 16
 
 
@@ -292,15 +342,19 @@ def paged_attention(
     is_decode = max_query_len == 1
     block_m = max(16 if is_decode else 64, group_pad)
     block_q = block_m // group_pad
-    if is_decode and fp8 and num_splits == 1 and q.device.type == "cuda":
-        # Many requests, one split each: 128-key tiles without pipelining. The FP8 tile loop is
-        # bound by instructions per tile, not bytes; on an H200 at 256 requests of 840 keys
-        # (16/8 heads of 128) this took 185 us against 213 us with 64-key tiles (bf16: 218).
-        block_n, num_stages = _FP8_DECODE_BLOCK_N, 1
-    elif is_decode and num_splits > 1:
-        # Short key ranges per program: no pipelining (on an H200 at 1 request of 1,152 keys,
-        # 32/8 heads of 128, 16 splits: 7.5 us against 8.0 us with 2 stages; FP8 8.7 / 9.0).
-        block_n, num_stages = _SPLIT_DECODE_BLOCK_N, 1
+    # Decode tiles measured on an H200 (16/8 heads of 128, pages of 16; bench notes run 22).
+    # Few splits (each still hundreds of keys) take the unsplit tiles, pipelined: at 64
+    # requests of 1,500 keys in 2 splits bf16 took 104 us with them against 156 us with the
+    # short-split tiles, FP8 82 against 88. Many splits (short ranges, latency-bound) take no
+    # pipelining: at 1 request of 1,152 keys in 16 splits bf16 7.7 us against 7.9, FP8 8.6
+    # with 64-key tiles against 9.3 with 32. An FP8 cache's longer ranges take 64-key tiles and
+    # 2 warps: at 256 requests of 840 keys 152 us against 159 us with 128-key tiles and 4
+    # warps unpipelined (bf16: 224 us).
+    num_warps = 4
+    if is_decode and num_splits > _PIPELINED_MAX_SPLITS:
+        block_n, num_stages = (_FP8_SPLIT_DECODE_BLOCK_N if fp8 else _SPLIT_DECODE_BLOCK_N), 1
+    elif is_decode and fp8 and q.device.type == "cuda":
+        block_n, num_stages, num_warps = _FP8_DECODE_BLOCK_N, 2, 2
     elif is_decode:
         block_n, num_stages = _DECODE_BLOCK_N, 2
     else:
@@ -352,7 +406,7 @@ def paged_attention(
         FP8=fp8,
         ROTATE=fp8 and rotates_keys(head_dim),
         F16_DOT=fp8 and q.dtype != torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(q.device),
     )
@@ -397,14 +451,17 @@ def paged_attention_reference(
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[req, positions // page].long()
         keys = kv_cache[0, blocks, positions % page].double()  # [S, Hkv, D]
-        values = kv_cache[1, blocks, positions % page].double()
         if is_fp8(kv_cache.dtype):
             assert kv_scale is not None
+            # values stored key-minor: [blocks, Hkv, D, page]
+            values = fp8_values_by_key(kv_cache)[blocks, :, :, positions % page].double()
             keys = keys * kv_scale[0].double()[None, :, None]
             values = values * kv_scale[1].double()[None, :, None]
             if rotates_keys(head_dim):  # stored as k @ H: back with H^T / D
                 rotation = hadamard(head_dim, keys.device, torch.float64)
                 keys = keys @ rotation.t() / head_dim
+        else:
+            values = kv_cache[1, blocks, positions % page].double()
         keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         queries = q[q_begin:q_end].double()  # [L, Hq, D]

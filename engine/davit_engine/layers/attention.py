@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from davit_engine.layers.fp8 import hadamard, is_fp8, quantize_fp8, rotates_keys
+from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys, write_fp8_kv
 
 
 class AttentionBackend(Protocol):
@@ -107,17 +107,12 @@ class TorchPagedAttention:
         slot_mapping: torch.Tensor,
         kv_scale: torch.Tensor | None = None,
     ) -> None:
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         if is_fp8(kv_cache.dtype):
             assert kv_scale is not None, "an FP8 KV cache needs the layer's kv_scale"
-            # scales per head: [Hkv, 1] over [T, Hkv, D]; copied as bytes (torch has no FP8
-            # index_copy on every device)
-            flat = flat.view(torch.uint8)
-            if rotates_keys(head_dim):  # stored rotated (layers/fp8.py)
-                k = k.float() @ hadamard(head_dim, k.device)
-            k = quantize_fp8(k, kv_scale[0][:, None]).view(torch.uint8)
-            v = quantize_fp8(v, kv_scale[1][:, None]).view(torch.uint8)
+            write_fp8_kv(k, v, kv_cache, slot_mapping, kv_scale)
+            return
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
         flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
@@ -177,14 +172,19 @@ def _gather_blocks(
     kv_cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # kv_cache: [2, num_blocks, bs, Hkv, D] -> keys, values: [B, Hkv, max_blocks * bs, D]
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if is_fp8(kv_cache.dtype):  # gathered as bytes, like the write
-        blocks = kv_cache.view(torch.uint8).index_select(1, block_index).view(kv_cache.dtype)
+        blocks = kv_cache.view(torch.uint8).index_select(1, block_index)
+        keys = blocks[0].view(kv_cache.dtype).to(dtype)  # [B * max_blocks, bs, Hkv, D]
+        # values are stored [blocks, Hkv, D, bs] (kernels/kv_cache.py)
+        values = blocks[1].reshape(-1, num_kv_heads, head_dim, block_size)
+        values = values.view(kv_cache.dtype).to(dtype).permute(0, 3, 1, 2)
     else:
-        blocks = kv_cache.index_select(1, block_index)
-    blocks = blocks.to(dtype)  # [2, B * max_blocks, bs, Hkv, D]
-    _, _, _, num_kv_heads, head_dim = blocks.shape
-    kv = blocks.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)
-    return kv[0], kv[1]
+        blocks = kv_cache.index_select(1, block_index).to(dtype)  # [2, B * mb, bs, Hkv, D]
+        keys, values = blocks[0], blocks[1]
+    keys = keys.reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    return keys, values
 
 
 def _plan_groups(meta: AttentionMetadata, block_size: int) -> list[_Group]:

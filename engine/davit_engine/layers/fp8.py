@@ -39,6 +39,39 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def fp8_values_by_key(kv_cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's values as stored: `[num_blocks, num_kv_heads, head_dim, block_size]`, a
+    view of `kv_cache[1]` (whose shape, `[num_blocks, block_size, num_kv_heads, head_dim]`, is
+    the bf16 cache's; the bytes of each block are ordered key-minor, see kernels/kv_cache.py)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return kv_cache[1].view(num_blocks, num_kv_heads, head_dim, block_size)
+
+
+def write_fp8_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] float8_e4m3fn
+    slot_mapping: torch.Tensor,  # [T] int64, negative = skip
+    kv_scale: torch.Tensor,  # [2, Hkv] float32
+) -> None:
+    """Store each token's key and value at its slot of an FP8 cache, in plain torch: keys
+    rotated where the head dim allows it and quantized with row 0 of `kv_scale`, values
+    quantized with row 1 and stored key-minor in their block (`fp8_values_by_key`). Copied as
+    bytes: torch has no FP8 index copy on every device."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    keys = k[keep].float()
+    if rotates_keys(head_dim):
+        keys = keys @ hadamard(head_dim, keys.device)
+    flat_keys = kv_cache[0].view(torch.uint8).view(-1, num_kv_heads, head_dim)
+    flat_keys[slots] = quantize_fp8(keys, kv_scale[0][:, None]).view(torch.uint8)
+    values = fp8_values_by_key(kv_cache).view(torch.uint8)  # [blocks, Hkv, D, block_size]
+    values[slots // block_size, :, :, slots % block_size] = quantize_fp8(
+        v[keep], kv_scale[1][:, None]
+    ).view(torch.uint8)
+
+
 def rotates_keys(head_dim: int) -> bool:
     """Whether an FP8 KV cache stores keys of this head dim Hadamard-rotated (see above)."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0

@@ -6,7 +6,8 @@ import torch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    a, b = a.detach().double(), b.detach().double()  # a module's weights may require grad
+    return float((a - b).norm() / b.norm())
 
 
 def fp8_weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

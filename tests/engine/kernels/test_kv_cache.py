@@ -63,8 +63,9 @@ def test_write_kv_fp8_matches_reference_bit_for_bit(device: torch.device, dim: i
 
 
 def test_write_kv_fp8_stores_rotated_keys(device: torch.device) -> None:
-    """Rotating back (H^T / D) and scaling gives the keys within e4m3's rounding."""
-    from davit_engine.layers.fp8 import hadamard
+    """Rotating back (H^T / D) and scaling gives the keys within e4m3's rounding; the values
+    are stored key-minor in each block."""
+    from davit_engine.layers.fp8 import fp8_values_by_key, hadamard
 
     torch.manual_seed(3)
     heads, dim = 2, 16
@@ -73,9 +74,11 @@ def test_write_kv_fp8_stores_rotated_keys(device: torch.device) -> None:
     cache = torch.zeros(2, 2, 4, heads, dim, device=device, dtype=torch.float8_e4m3fn)
     kv_scale = torch.tensor([[0.05, 0.08], [0.01, 0.02]], device=device)
     write_kv(k, v, cache, torch.arange(5, device=device), kv_scale)
-    stored = cache.float().view(2, 8, heads, dim)[:, :5]
-    keys = (stored[0] * kv_scale[0][:, None]) @ hadamard(dim, device).t() / dim
-    values = stored[1] * kv_scale[1][:, None]
+    stored_keys = cache[0].float().view(8, heads, dim)[:5]
+    # values are stored key-minor within each block: [blocks, heads, dim, block_size]
+    stored_values = fp8_values_by_key(cache).float().permute(0, 3, 1, 2).reshape(8, heads, dim)
+    keys = (stored_keys * kv_scale[0][:, None]) @ hadamard(dim, device).t() / dim
+    values = stored_values[:5] * kv_scale[1][:, None]
     assert float((keys - k).norm() / k.norm()) < 0.04  # 3 mantissa bits: ~2% per element
     assert float((values - v).norm() / v.norm()) < 0.04
 
