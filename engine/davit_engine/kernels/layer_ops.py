@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.kv_cache import key_tile_heads, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import is_fp8, rotates_keys
 
 
 @triton.jit
@@ -221,6 +223,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     k_weight_ptr,
     cos_ptr,
     sin_ptr,
+    scale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -237,6 +240,10 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    PAGE: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -262,14 +269,21 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
         # Straight into the paged cache at the token's slot (negative: padding, skipped).
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
-            k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
-            _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
             heads = tl.arange(0, BLOCK_HK)[:, None]
             full = tl.arange(0, 2 * HALF)[None, :]
             v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
             v = tl.load(v_src, mask=heads < num_k_heads, other=0.0)
-            v_dst = k_dst + value_offset + heads * 2 * HALF + full
-            tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=heads < num_k_heads)
+            if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
+                k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (BLOCK_HK, 2 * HALF))
+                store_token_kv(
+                    k.to(dtype), v, cache_ptr, slot, scale_ptr, value_offset, num_k_heads, PAGE,
+                    2 * HALF, BLOCK_HK, 2 * HALF, True, ROTATE, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
+                _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
+                v_dst = k_dst + value_offset + heads * 2 * HALF + full
+                tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=heads < num_k_heads)
     else:
         k_dst = k_out_ptr + token.to(tl.int64) * num_k_heads * 2 * HALF
         _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
@@ -286,12 +300,14 @@ def qk_norm_rope(
     v: torch.Tensor | None = None,  # [T, Hkv, D]: with kv_cache, written beside the keys
     kv_cache: torch.Tensor | None = None,  # [2, num_blocks, block_size, Hkv, D], contiguous
     slot_mapping: torch.Tensor | None = None,  # [T] int64, negative = padding
+    kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token.
 
     Returns (q, k). With `kv_cache` (and `v`, `slot_mapping`) the rotated keys and the values go
     straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
-    store them, and no key tensor is returned (None).
+    store them (an FP8 cache quantized with `kv_scale`, keys rotated, values key-minor: the
+    same bytes), and no key tensor is returned (None).
     """
     num_tokens, num_q_heads, dim = q.shape
     write_kv = kv_cache is not None
@@ -308,6 +324,11 @@ def qk_norm_rope(
         assert v is not None and slot_mapping is not None and kv_cache is not None
         assert kv_cache.is_contiguous() and v.stride(2) == 1
         assert tuple(kv_cache.shape[3:]) == (k.shape[1], dim)
+    fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
+    if fp8:
+        assert kv_scale is not None and tuple(kv_scale.shape) == (2, k.shape[1])
+        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
+    rotate = fp8 and rotates_keys(dim)
     has_norm = q_weight is not None and k_weight is not None
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
@@ -321,6 +342,7 @@ def qk_norm_rope(
         k_weight if k_weight is not None else k,
         cos,
         sin,
+        kv_scale if fp8 else cos,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -336,7 +358,11 @@ def qk_norm_rope(
         WRITE_KV=write_kv,
         HALF=dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HK=key_tile_heads(k.shape[1], rotate),
+        PAGE=kv_cache.shape[2] if kv_cache is not None else 1,
+        FP8=fp8,
+        ROTATE=rotate,
+        DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         num_warps=4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),

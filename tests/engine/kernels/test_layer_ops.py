@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from davit_engine.kernels.kv_cache import write_kv_reference
+from davit_engine.kernels.kv_cache import write_kv, write_kv_reference
 from davit_engine.kernels.layer_ops import (
     _rms_norm_rows,
     add_rms_norm,
@@ -102,6 +102,49 @@ def test_qk_norm_rope_writes_the_kv_cache(
     untouched[blocks * page + slots[slots >= 0]] = False
     flat = ours_cache.view(2 * blocks * page, kv_heads, dim)
     assert bool((flat[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [16, 8])
+def test_qk_norm_rope_writes_an_fp8_cache_as_write_kv_does(
+    device: torch.device, dtype: torch.dtype, dim: int
+) -> None:
+    """Into an FP8 cache the kernel stores the bytes that rotary followed by `write_kv` stores:
+    keys Hadamard-rotated where the head dim allows it (16; 8 is stored unrotated), both
+    quantized with the layer's per-head scales, values key-minor in each block, padding slots
+    untouched; and what it stores decodes to the unquantized keys and values within e4m3's
+    rounding."""
+    torch.manual_seed(6)
+    heads, kv_heads, page, blocks = 4, 2, 4, 5
+    positions = torch.tensor([0, 5, 9, 2, 3, 7], device=device)
+    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
+    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
+    qkv = (3 * torch.randn(6, heads + 2 * kv_heads, dim, device=device)).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
+    slots = torch.tensor([3, 17, -1, 0, 9, 18], dtype=torch.int64, device=device)
+    kv_scale = torch.tensor([[0.05, 0.2], [0.01, 0.3]], device=device)  # saturates some
+    fused = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
+    apart, ref = fused.clone(), fused.clone()
+    q_fused, k_none = qk_norm_rope(
+        q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=fused, slot_mapping=slots,
+        kv_scale=kv_scale,
+    )  # fmt: skip
+    q_apart, k_rot = qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6)
+    assert k_none is None and k_rot is not None
+    assert torch.equal(q_fused, q_apart)
+    write_kv(k_rot, v, apart, slots, kv_scale)
+    assert torch.equal(fused.view(torch.uint8), apart.view(torch.uint8))
+    write_kv_reference(k_rot, v, ref, slots, kv_scale)
+    diff = (fused.float() - ref.float()).abs()
+    assert float(diff.max()) <= 0.125 * float(ref.float().abs().max())  # one e4m3 step at most
+    assert float((diff > 0).float().mean()) < 0.05
+    untouched = torch.ones(2, blocks * page, dtype=torch.bool, device=device)
+    untouched[:, slots[slots >= 0]] = False
+    keys = fused[0].view(blocks * page, kv_heads, dim).float()
+    assert bool((keys[untouched[0]] == 0).all()) and bool((keys[~untouched[0]] != 0).any())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

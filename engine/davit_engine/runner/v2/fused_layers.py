@@ -27,6 +27,7 @@ from torch import nn
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
+from davit_engine.layers.fp8 import is_fp8
 from davit_engine.layers.norm import RMSNorm
 from davit_engine.models.llama import (
     LlamaAttention,
@@ -73,11 +74,13 @@ def _attention_core(
     q_weight = q_norm.weight if q_norm is not None else None
     k_weight = k_norm.weight if k_norm is not None else None
     kv_scale = module.kv_scale
-    direct = isinstance(meta.backend, TritonPagedAttention) and kv_cache.dtype == x.dtype
-    if direct:  # the Triton backend's cache layout in the model dtype: write in the kernel
+    direct = isinstance(meta.backend, TritonPagedAttention) and (
+        kv_cache.dtype == x.dtype or is_fp8(kv_cache.dtype)
+    )
+    if direct:  # the Triton backend's cache layout (model dtype or FP8): write in the kernel
         q, _ = qk_norm_rope(
             q, k, cos, sin, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
-            slot_mapping=meta.slot_mapping,
+            slot_mapping=meta.slot_mapping, kv_scale=kv_scale,
         )  # fmt: skip
     else:
         q, k_rot = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
