@@ -17,7 +17,9 @@ Sections (each runs on its own; a failing one is reported and the next runs):
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`), decode tok/s against each one's bandwidth floor, and
   whether the greedy tokens agree;
-- `w1`: W1 the same way, bf16 then an FP8 KV cache;
+- `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
+  their variants N times, interleaved, and record each variant's median, minimum, maximum and
+  median over the first variant's (`w1-rounds`, `w2-rounds`);
 - `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess;
 - `quality`: the quality figures of `tests/engine/quant/test_quality_smollm2.py` on this GPU
   (SmolLM2-135M from `--smollm2-gguf`, bf16, the GPU kernels: Triton attention, the FP8
@@ -33,6 +35,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -355,31 +358,68 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
     return res
 
 
+def rounds_summary(figures: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Per variant (in the order given): its runs' median, minimum and maximum, and its median
+    over the first variant's. Between calls of one machine W1 moved by +-3% and within a call
+    by up to 8% (bench notes, run 22), so a ratio of single runs carries that much."""
+    names = list(figures)
+    base = statistics.median(figures[names[0]])
+    rows = []
+    for name in names:
+        runs = figures[name]
+        median = statistics.median(runs)
+        rows.append({
+            "variant": name,
+            "runs": len(runs),
+            "median": round(median, 1),
+            "min": round(min(runs), 1),
+            "max": round(max(runs), 1),
+            "median_over_first": round(median / base, 3),
+        })  # fmt: skip
+    return rows
+
+
 def section_w2(args: argparse.Namespace) -> None:
     w2 = W2()
     first: list[list[int]] | None = None
-    for name in args.w2_variants.split(","):
-        variant = VARIANTS[name]
-        res = _run_workload(w2, variant, args.copy_bw)
-        outputs = list(res.pop("outputs").values())
-        decode = w2.decode_tokens / (res["elapsed_s"] - res["first_token_s"])
-        floor = args.copy_bw / w2_floor_bytes(w2, variant)
-        same = None
-        if first is None:
-            first = outputs
-        else:
-            same = sum(a == b for a, b in zip(first[0], outputs[0], strict=False))
-        record("w2", variant=name, model=w2.model, decode_tok_s=round(decode, 1),
-               floor_tok_s=round(floor, 1), share_of_floor=round(decode / floor, 3),
-               tokens_equal_to_first_variant=same, runner="v2-graphs-async", **res, **versions())  # fmt: skip
+    names = args.w2_variants.split(",")
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(1, args.rounds + 1):  # variants interleaved, so drift hits each alike
+        for name in names:
+            variant = VARIANTS[name]
+            res = _run_workload(w2, variant, args.copy_bw)
+            outputs = list(res.pop("outputs").values())
+            decode = w2.decode_tokens / (res["elapsed_s"] - res["first_token_s"])
+            floor = args.copy_bw / w2_floor_bytes(w2, variant)
+            same = None
+            if first is None:
+                first = outputs
+            else:
+                same = sum(a == b for a, b in zip(first[0], outputs[0], strict=False))
+            figures[name].append(decode)
+            record("w2", variant=name, round=round_, model=w2.model, decode_tok_s=round(decode, 1),
+                   floor_tok_s=round(floor, 1), share_of_floor=round(decode / floor, 3),
+                   tokens_equal_to_first_variant=same, runner="v2-graphs-async", **res,
+                   **versions())  # fmt: skip
+    if args.rounds > 1:
+        for row in rounds_summary(figures):
+            record("w2-rounds", figure="decode_tok_s", **row)
 
 
 def section_w1(args: argparse.Namespace) -> None:
     w1 = W1()
-    for name in args.w1_variants.split(","):
-        res = _run_workload(w1, VARIANTS[name], args.copy_bw)
-        res.pop("outputs")
-        record("w1", variant=name, model=w1.model, runner="v2-graphs-async", **res, **versions())
+    names = args.w1_variants.split(",")
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(1, args.rounds + 1):
+        for name in names:
+            res = _run_workload(w1, VARIANTS[name], args.copy_bw)
+            res.pop("outputs")
+            figures[name].append(res["output_tok_s"])
+            record("w1", variant=name, round=round_, model=w1.model, runner="v2-graphs-async",
+                   **res, **versions())  # fmt: skip
+    if args.rounds > 1:
+        for row in rounds_summary(figures):
+            record("w1-rounds", figure="output_tok_s", **row)
 
 
 def section_memory(args: argparse.Namespace) -> None:
@@ -439,9 +479,11 @@ _BRIEF = {
              "scaled_mm_us"),
     "attention": ("shape", "batch", "context", "splits", "bf16_us", "fp8_us", "fp8_tb_s",
                   "speedup"),
-    "w2": ("variant", "decode_tok_s", "floor_tok_s", "share_of_floor",
+    "w2": ("variant", "round", "decode_tok_s", "floor_tok_s", "share_of_floor",
            "tokens_equal_to_first_variant", "num_blocks"),
-    "w1": ("variant", "output_tok_s", "elapsed_s", "token_capacity"),
+    "w1": ("variant", "round", "output_tok_s", "elapsed_s", "token_capacity"),
+    "w1-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
+    "w2-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
 }  # fmt: skip
 
 
@@ -463,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="tests,gemm,attention,w2,w1,memory")
     parser.add_argument("--w2-variants", default="bf16,fp8-both")
     parser.add_argument("--w1-variants", default="bf16,fp8-kv")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="W1/W2: run the variants this many times, interleaved, and record "
+                        "each one's median, minimum and maximum")  # fmt: skip
     parser.add_argument("--gemm-configs", default="32/512/4/4",
                         help="extra matrix-unit tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
     parser.add_argument("--gemv-configs",
@@ -480,6 +525,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smollm2-gguf", type=Path, default=None)
     parser.add_argument("--quality-text", default="tests/data/text/tom-sawyer-chapter-1.txt")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    for flag, given in (("--w1-variants", args.w1_variants), ("--w2-variants", args.w2_variants)):
+        unknown = [name for name in given.split(",") if name not in VARIANTS]
+        if unknown:
+            parser.error(f"{flag}: unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown section(s) {unknown}; choose from {sorted(SECTIONS)}")
     OUT.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     for name in args.sections.split(","):

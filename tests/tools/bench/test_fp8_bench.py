@@ -1,0 +1,65 @@
+"""The FP8 bench's own logic on the CPU: interleaved rounds, their summary, and arguments it
+refuses (the timed workloads themselves run on a GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from davit_tools.bench import fp8
+
+
+def test_rounds_summary_gives_medians_and_the_ratio_of_medians() -> None:
+    rows = fp8.rounds_summary({"bf16": [100.0, 90.0, 120.0], "fp8-kv": [130.0, 150.0, 110.0]})
+    assert [r["variant"] for r in rows] == ["bf16", "fp8-kv"]
+    assert rows[0] == {"variant": "bf16", "runs": 3, "median": 100.0, "min": 90.0, "max": 120.0,
+                       "median_over_first": 1.0}  # fmt: skip
+    assert rows[1]["median"] == 130.0 and rows[1]["median_over_first"] == 1.3
+    assert (rows[1]["min"], rows[1]["max"]) == (110.0, 150.0)
+
+
+def test_w1_rounds_interleave_the_variants_and_record_a_summary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+    speed = {"bf16": iter([100.0, 104.0, 96.0]), "fp8-kv": iter([125.0, 135.0, 128.0])}
+
+    def run(workload: Any, variant: fp8.Variant, copy_bw: float) -> dict[str, Any]:
+        calls.append(variant.name)
+        return {"outputs": {}, "output_tok_s": next(speed[variant.name]), "elapsed_s": 1.0}
+
+    monkeypatch.setattr(fp8, "_run_workload", run)
+    monkeypatch.setattr(fp8, "versions", lambda: {})
+    monkeypatch.setattr(fp8, "OUT", tmp_path)
+    monkeypatch.setattr(fp8, "ROWS", [])
+    assert fp8.main(["--sections", "w1", "--w1-variants", "bf16,fp8-kv", "--rounds", "3"]) == 0
+    assert calls == ["bf16", "fp8-kv"] * 3
+    rows = [json.loads(line) for line in (tmp_path / "fp8.jsonl").read_text().splitlines()]
+    runs = [r for r in rows if r["section"] == "w1"]
+    assert [(r["variant"], r["round"]) for r in runs] == [
+        ("bf16", 1), ("fp8-kv", 1), ("bf16", 2), ("fp8-kv", 2), ("bf16", 3), ("fp8-kv", 3)
+    ]  # fmt: skip
+    summary = {r["variant"]: r for r in rows if r["section"] == "w1-rounds"}
+    assert summary["bf16"]["median"] == 100.0
+    assert summary["fp8-kv"]["median"] == 128.0 and summary["fp8-kv"]["median_over_first"] == 1.28
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--rounds", "0"], "--rounds"),
+        (["--w1-variants", "bf16,fp9"], "--w1-variants"),
+        (["--w2-variants", "fp8"], "--w2-variants"),
+        (["--sections", "w1,speed"], "--sections"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_flag(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        fp8.main(argv)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
