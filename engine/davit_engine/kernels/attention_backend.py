@@ -46,6 +46,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32 (FP8 cache)
+        queries_rotated: bool = False,  # q is q @ H already (see paged_attention)
     ) -> torch.Tensor:  # [T, Hq, D]
         num_splits = 1
         fixed = meta.scratch.get(NUM_KV_SPLITS_KEY)
@@ -65,4 +66,5 @@ class TritonPagedAttention:
             scale,
             num_splits,
             kv_scale=kv_scale,
+            queries_rotated=queries_rotated,
         )

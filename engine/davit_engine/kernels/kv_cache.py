@@ -105,9 +105,10 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
 
 
-def key_tile_heads(num_heads: int, rotate: bool) -> int:
-    """Rows of the per-token key tile `store_token_kv` takes: the heads padded to a power of
-    two, and to the 16 rows a matrix-unit product needs where keys are rotated."""
+def head_tile_rows(num_heads: int, rotate: bool) -> int:
+    """Rows of a per-token tile of heads (the key tile `store_token_kv` takes; the query tile
+    the rotary kernel rotates): the heads padded to a power of two, and to the 16 rows a
+    matrix-unit product needs where the tile is rotated."""
     block_h = triton.next_power_of_2(num_heads)
     return max(block_h, 16) if rotate else block_h
 
@@ -143,7 +144,7 @@ def write_kv(
         num_heads,
         PAGE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_H=key_tile_heads(num_heads, rotate),
+        BLOCK_H=head_tile_rows(num_heads, rotate),
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=fp8,
         ROTATE=rotate,

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.kv_cache import key_tile_heads, store_token_kv
+from davit_engine.kernels.fp8 import hadamard_tile
+from davit_engine.kernels.kv_cache import head_tile_rows, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import is_fp8, rotates_keys
 
@@ -243,6 +244,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     PAGE: tl.constexpr,
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -260,7 +262,14 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
-    _store_heads(q_dst, 2 * HALF, q1, q2, num_q_heads, HALF, BLOCK_HQ)
+    if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_HQ, 2 * HALF)).to(dtype)
+        q = tl.dot(q, hadamard_tile(2 * HALF, dtype), input_precision=DOT_PRECISION)
+        q_heads = tl.arange(0, BLOCK_HQ)[:, None]
+        q_dims = tl.arange(0, 2 * HALF)[None, :]
+        tl.store(q_dst + q_heads * 2 * HALF + q_dims, q.to(dtype), mask=q_heads < num_q_heads)
+    else:
+        _store_heads(q_dst, 2 * HALF, q1, q2, num_q_heads, HALF, BLOCK_HQ)
     k1, k2 = _norm_rope_heads(
         k_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
@@ -301,6 +310,7 @@ def qk_norm_rope(
     kv_cache: torch.Tensor | None = None,  # [2, num_blocks, block_size, Hkv, D], contiguous
     slot_mapping: torch.Tensor | None = None,  # [T] int64, negative = padding
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
+    rotate_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token.
 
@@ -308,8 +318,16 @@ def qk_norm_rope(
     straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
     store them (an FP8 cache quantized with `kv_scale`, keys rotated, values key-minor: the
     same bytes), and no key tensor is returned (None).
+
+    `rotate_queries` returns `q @ H` (H the Hadamard matrix of the head dim, unnormalised),
+    rounded to q's dtype: the queries an FP8 cache's rotated keys are matched with, which
+    `paged_attention(..., queries_rotated=True)` takes instead of rotating them itself.
     """
     num_tokens, num_q_heads, dim = q.shape
+    if rotate_queries and not rotates_keys(dim):
+        raise ValueError(
+            f"rotate_queries: a head dim of {dim} is not rotated (a power of two in [16, 256] is)"
+        )
     write_kv = kv_cache is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = None if write_kv else torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -357,11 +375,12 @@ def qk_norm_rope(
         HAS_NORM=has_norm,
         WRITE_KV=write_kv,
         HALF=dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=key_tile_heads(k.shape[1], rotate),
+        BLOCK_HQ=head_tile_rows(num_q_heads, rotate_queries),
+        BLOCK_HK=head_tile_rows(k.shape[1], rotate),
         PAGE=kv_cache.shape[2] if kv_cache is not None else 1,
         FP8=fp8,
         ROTATE=rotate,
+        ROTATE_Q=rotate_queries,
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         num_warps=4,
         enable_fp_fusion=False,

@@ -123,6 +123,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
+    Q_ROTATED: tl.constexpr,
     F16_DOT: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -158,8 +159,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         if FP8:  # the per-head key scale folds into the score scale
             scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
         if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
-            q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
-            q = q.to(q_ptr.dtype.element_ty)
+            if not Q_ROTATED:  # (rotated already by the caller: no tile for H here)
+                q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
+                q = q.to(q_ptr.dtype.element_ty)
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
         if F16_DOT:
             q = to_f16_saturated(q)
@@ -289,6 +291,13 @@ _DECODE_BLOCK_N = 64
 _FP8_DECODE_BLOCK_N = 64
 _FP8_SPLIT_DECODE_BLOCK_N = 64
 _PIPELINED_MAX_SPLITS = 8
+# Registers per thread an FP8 cache's unsplit GPU decode with rotated queries is compiled to
+# (None: the compiler's choice). Compiled for sm_90 (Triton 3.6) at 64-key tiles and 2 warps
+# it needs 168 (6 programs per multiprocessor); at 128, 8 programs fit (22.5 KB of shared memory
+# each) for 24 bytes of spill. A variant rotating the queries by butterflies in registers took
+# 140 us at W1's shape capped so and 157 us uncapped (214 registers), the kernel rotating them
+# with a Hadamard tile 151 us (bench notes, run 22); this kernel is not timed at the cap yet.
+_FP8_DECODE_MAX_REGISTERS: int | None = 128
 MAX_SPLITS = 16
 
 
@@ -318,8 +327,13 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
+    queries_rotated: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new tokens over its paged keys and values.
+
+    `queries_rotated`: `q` is already `q @ H` (an FP8 cache whose keys are stored rotated;
+    `kernels.layer_ops.qk_norm_rope(..., rotate_queries=True)` makes it), so the kernel does
+    not rotate it, nor hold the Hadamard tile that rotating takes.
 
     `num_splits > 1` splits every request's key range (use it for decode at small batch); the
     launch shape depends only on the batch size, `max_query_len` and `num_splits`, so the call is
@@ -337,6 +351,12 @@ def paged_attention(
     if fp8:
         assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_kv_heads)
         assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
+    rotate = fp8 and rotates_keys(head_dim)
+    if queries_rotated and not rotate:
+        raise ValueError(
+            "queries_rotated: only an FP8 cache with a head dim that is a power of two in "
+            f"[16, 256] stores rotated keys (cache {kv_cache.dtype}, head dim {head_dim})"
+        )
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     is_decode = max_query_len == 1
@@ -351,10 +371,13 @@ def paged_attention(
     # 2 warps: at 256 requests of 840 keys 152 us against 159 us with 128-key tiles and 4
     # warps unpipelined (bf16: 224 us).
     num_warps = 4
+    limits: dict[str, int] = {}
     if is_decode and num_splits > _PIPELINED_MAX_SPLITS:
         block_n, num_stages = (_FP8_SPLIT_DECODE_BLOCK_N if fp8 else _SPLIT_DECODE_BLOCK_N), 1
     elif is_decode and fp8 and q.device.type == "cuda":
         block_n, num_stages, num_warps = _FP8_DECODE_BLOCK_N, 2, 2
+        if queries_rotated and _FP8_DECODE_MAX_REGISTERS is not None:
+            limits["maxnreg"] = _FP8_DECODE_MAX_REGISTERS
     elif is_decode:
         block_n, num_stages = _DECODE_BLOCK_N, 2
     else:
@@ -404,10 +427,12 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,
-        ROTATE=fp8 and rotates_keys(head_dim),
+        ROTATE=rotate,
+        Q_ROTATED=queries_rotated,
         F16_DOT=fp8 and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
+        **limits,
         **pdl_launch(q.device),
     )
     if num_splits > 1:

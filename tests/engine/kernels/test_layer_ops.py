@@ -148,6 +148,63 @@ def test_qk_norm_rope_writes_an_fp8_cache_as_write_kv_does(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_qk_norm_rope_rotates_queries(
+    device: torch.device, dtype: torch.dtype, with_cache: bool
+) -> None:
+    """`rotate_queries` gives `q @ H` of the rotary output, rounded once to q's dtype (3 query
+    heads: the tile is padded to the 16 rows a matrix product needs), and leaves the keys and
+    the cache as they are without it."""
+    from davit_engine.layers.fp8 import hadamard
+
+    torch.manual_seed(8)
+    dim, heads, kv_heads, page, blocks = 32, 3, 1, 4, 3
+    positions = torch.tensor([0, 5, 9, 2], device=device)
+    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
+    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
+    qkv = torch.randn(4, heads + 2 * kv_heads, dim, device=device).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
+    q_plain, k_plain = qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6)
+    expected = (q_plain.float() @ hadamard(dim, device)).to(dtype)
+    if with_cache:
+        slots = torch.tensor([3, -1, 0, 9], dtype=torch.int64, device=device)
+        kv_scale = torch.tensor([[0.05], [0.02]], device=device)
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
+        plain_cache = cache.clone()
+        q_rot, k_none = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+        )  # fmt: skip
+        qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=plain_cache,
+            slot_mapping=slots, kv_scale=kv_scale,
+        )  # fmt: skip
+        assert k_none is None
+        assert torch.equal(cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    else:
+        q_rot, k_rot = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True
+        )
+        assert k_rot is not None and k_plain is not None and torch.equal(k_rot, k_plain)
+    ulp = 1e-6 if dtype == torch.float32 else 2.0**-10
+    assert torch.allclose(q_rot.float(), expected.float(), rtol=ulp, atol=ulp)
+    assert not torch.allclose(q_rot.float(), q_plain.float(), rtol=0.1, atol=0.1)
+
+
+def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
+    device: torch.device,
+) -> None:
+    q = torch.randn(2, 4, 8, device=device)
+    k = torch.randn(2, 2, 8, device=device)
+    cos = torch.ones(2, 8, device=device)
+    with pytest.raises(ValueError, match="rotate_queries: a head dim of 8"):
+        qk_norm_rope(q, k, cos, torch.zeros_like(cos), rotate_queries=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_rms_norm(device: torch.device, dtype: torch.dtype) -> None:
     torch.manual_seed(5)
     x = torch.randn(6, 48, device=device).to(dtype)
@@ -190,6 +247,13 @@ def test_bf16_real_shapes_match_reference_closely(device: torch.device) -> None:
     for a, b in zip(ours_qk, ref_qk, strict=True):
         assert a is not None
         assert float((a != b).float().mean()) < 0.01
+    from davit_engine.layers.fp8 import hadamard  # queries rotated for an FP8 cache
+
+    q_rot, _ = qk_norm_rope(
+        qkv[:, :32], qkv[:, 32:40], cos, sin, nw[0], nw[1], 1e-6, rotate_queries=True
+    )
+    expected = (ours_qk[0].float() @ hadamard(128, device)).to(dtype)
+    assert float((q_rot != expected).float().mean()) < 0.01
     residual = torch.randn(256, 4096, device=device, dtype=dtype)
     ours_pair = add_rms_norm(x, residual, w, 1e-5)
     ref_pair = add_rms_norm_reference(x, residual, w, 1e-5)

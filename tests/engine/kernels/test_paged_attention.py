@@ -205,3 +205,67 @@ def test_paged_attention_fp8_bf16_real_shapes(device: torch.device, num_splits: 
     )
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_fp8_takes_rotated_queries(
+    device: torch.device, dtype: torch.dtype, num_splits: int
+) -> None:
+    """`queries_rotated`: given `q @ H` the kernel skips its own rotation and gives the
+    attention of `q` (the rotary kernel rotates queries so in the V2 runner)."""
+    from davit_engine.layers.fp8 import hadamard
+
+    torch.manual_seed(21 + num_splits)
+    q_lens, seq_lens = [1, 7, 1, 12], [33, 7, 2, 50]
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (4, 2), 16, 4, dtype
+    )
+    q_rot = (q.float() @ hadamard(16, device)).to(dtype)
+    out = paged_attention(
+        q_rot, cache, tables, lens, qsl, 12, 0.25, num_splits, kv_scale=kv_scale,
+        queries_rotated=True,
+    )  # fmt: skip
+    in_kernel = paged_attention(
+        q, cache, tables, lens, qsl, 12, 0.25, num_splits, kv_scale=kv_scale
+    )
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert _rel_err(out, in_kernel) < (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_rotated_queries_are_refused_where_keys_are_not_rotated(device: torch.device) -> None:
+    torch.manual_seed(2)
+    q, cache, tables, lens, qsl = _batch(device, [1], [9], (4, 2), 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="queries_rotated"):
+        paged_attention(q, cache, tables, lens, qsl, 1, 0.25, queries_rotated=True)
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, [1], [9], (4, 2), 12, 4, torch.float32
+    )
+    with pytest.raises(ValueError, match="head dim 12"):
+        paged_attention(
+            q, cache, tables, lens, qsl, 1, 0.25, kv_scale=kv_scale, queries_rotated=True
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 16])
+def test_paged_attention_fp8_decode_rotated_queries_real_shapes(
+    device: torch.device, num_splits: int
+) -> None:
+    """The V2 runner's FP8 decode launch (rotated queries; unsplit: the register-capped tiles)
+    at real head shapes and contexts up to 2,000 keys."""
+    from davit_engine.layers.fp8 import hadamard
+
+    torch.manual_seed(30 + num_splits)
+    seq_lens = torch.randint(1, 2000, (64,)).tolist()
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, [1] * 64, seq_lens, (16, 8), 128, 16, torch.bfloat16
+    )
+    q_rot = (q.float() @ hadamard(128, device)).to(torch.bfloat16)
+    out = paged_attention(
+        q_rot, cache, tables, lens, qsl, 1, 128**-0.5, num_splits, kv_scale=kv_scale,
+        queries_rotated=True,
+    )  # fmt: skip
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
+    assert _rel_err(out, ref) < 1e-2

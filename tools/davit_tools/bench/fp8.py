@@ -14,6 +14,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   names the fastest FP8 weight-only variant;
 - `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128) and W2's
   (B 1, context 1152, 32/8 x 128) over a bf16 and an FP8 cache (write included separately);
+  FP8 as the V2 runner launches it (queries rotated beforehand), with the kernel rotating the
+  queries itself (`fp8_q_tile`), and without the register cap (`fp8_uncapped`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`), decode tok/s against each one's bandwidth floor, and
   whether the greedy tokens agree;
@@ -244,6 +246,7 @@ def section_gemm(args: argparse.Namespace) -> None:
 
 
 def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dict[str, Any]:
+    from davit_engine.kernels import paged_attention as pa
     from davit_engine.kernels.kv_cache import write_kv
     from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
     from davit_tools.bench.timing import graph_us
@@ -265,13 +268,29 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     row: dict[str, Any] = {"shape": label, "batch": batch, "context": ctx,
                            "heads": f"{hq}/{hkv}x{dim}", "splits": splits}  # fmt: skip
     kv_bytes = batch * ctx * hkv * dim * 2
-    for name, cache, scale, element in (("bf16", bf16, None, 2), ("fp8", fp8, kv_scale, 1)):
+    # fp8: as the V2 runner launches it, the queries rotated by the rotary kernel beforehand;
+    # fp8_q_tile: the kernel rotating them itself; fp8_uncapped: the first without its
+    # register cap (its timing does not depend on q's values)
+    timed = (
+        ("bf16", bf16, None, 2, False, True),
+        ("fp8", fp8, kv_scale, 1, True, True),
+        ("fp8_q_tile", fp8, kv_scale, 1, False, True),
+        ("fp8_uncapped", fp8, kv_scale, 1, True, False),
+    )
+    cap = pa._FP8_DECODE_MAX_REGISTERS
+    for name, cache, scale, element, rotated, capped in timed:
         attend = functools.partial(
-            paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale
-        )
-        us = graph_us(attend, 20)
+            paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale,
+            queries_rotated=rotated,
+        )  # fmt: skip
+        pa._FP8_DECODE_MAX_REGISTERS = cap if capped else None
+        try:
+            us = graph_us(attend, 20)
+        finally:
+            pa._FP8_DECODE_MAX_REGISTERS = cap
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_tb_s"] = round(kv_bytes * element / us / 1e6, 3)
+    row["fp8_register_cap"] = cap
     row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
     k_new = torch.randn(batch, hkv, dim, device="cuda", dtype=torch.bfloat16)
     row["write_fp8_us"] = round(
@@ -478,7 +497,7 @@ _BRIEF = {
     "gemm": ("shape", "rows", "bf16_us", "default_us", "default_tb_s", "best", "best_us",
              "scaled_mm_us"),
     "attention": ("shape", "batch", "context", "splits", "bf16_us", "fp8_us", "fp8_tb_s",
-                  "speedup"),
+                  "speedup", "fp8_q_tile_us", "fp8_uncapped_us"),
     "w2": ("variant", "round", "decode_tok_s", "floor_tok_s", "share_of_floor",
            "tokens_equal_to_first_variant", "num_blocks"),
     "w1": ("variant", "round", "output_tok_s", "elapsed_s", "token_capacity"),

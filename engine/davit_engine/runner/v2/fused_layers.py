@@ -27,7 +27,7 @@ from torch import nn
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
-from davit_engine.layers.fp8 import is_fp8
+from davit_engine.layers.fp8 import is_fp8, rotates_keys
 from davit_engine.layers.norm import RMSNorm
 from davit_engine.models.llama import (
     LlamaAttention,
@@ -74,19 +74,23 @@ def _attention_core(
     q_weight = q_norm.weight if q_norm is not None else None
     k_weight = k_norm.weight if k_norm is not None else None
     kv_scale = module.kv_scale
-    direct = isinstance(meta.backend, TritonPagedAttention) and (
-        kv_cache.dtype == x.dtype or is_fp8(kv_cache.dtype)
-    )
-    if direct:  # the Triton backend's cache layout (model dtype or FP8): write in the kernel
+    backend = meta.backend
+    fp8 = is_fp8(kv_cache.dtype)
+    if isinstance(backend, TritonPagedAttention) and (kv_cache.dtype == x.dtype or fp8):
+        # The Triton backend's cache layout (model dtype or FP8): the rotary kernel writes the
+        # cache, and rotates the queries where an FP8 cache stores rotated keys, so attention
+        # holds no Hadamard tile.
+        rotate_q = fp8 and rotates_keys(dim)
         q, _ = qk_norm_rope(
             q, k, cos, sin, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
-            slot_mapping=meta.slot_mapping, kv_scale=kv_scale,
+            slot_mapping=meta.slot_mapping, kv_scale=kv_scale, rotate_queries=rotate_q,
         )  # fmt: skip
+        out = backend.forward(q, kv_cache, meta, module.scale, kv_scale, queries_rotated=rotate_q)
     else:
         q, k_rot = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
         assert k_rot is not None
-        meta.backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
-    out = meta.backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
+        backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
+        out = backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
     return module.o_proj(out.reshape(num_tokens, heads * dim))
 
 

@@ -7,6 +7,7 @@ from davit_engine.config import EngineConfig
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from davit_engine.loader import load_model
+from davit_engine.runner.v2 import fused_layers
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 
 
@@ -75,3 +76,74 @@ def test_unknown_model_composition_is_left_alone(device: torch.device) -> None:
     install_fused_layers(model)
     assert "forward" not in vars(model)  # the model forward was not swapped
     assert all("forward" in vars(m) for m in model.modules() if type(m).__name__ == "RMSNorm")
+
+
+def _fp8_prefill(
+    net: torch.nn.Module, device: torch.device, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prefill of `ids` through `net` with FP8 caches and the Triton backend, and
+    the caches' bytes (per-head scales that saturate a few values)."""
+    c = net.config
+    for module in net.modules():
+        if hasattr(module, "kv_scale"):
+            module.kv_scale.copy_(torch.linspace(0.002, 0.01, 2 * c.num_kv_heads).view(2, -1))
+    num_tokens, page, num_blocks = ids.shape[0], 4, 4
+    caches = [
+        torch.zeros(2, num_blocks, page, c.num_kv_heads, c.head_dim, device=device).to(
+            torch.float8_e4m3fn
+        )
+        for _ in range(c.num_layers)
+    ]
+    meta = _prefill_meta(device, num_tokens, num_blocks, TritonPagedAttention())
+    with torch.inference_mode():
+        logits = net.compute_logits(net(ids, torch.arange(num_tokens, device=device), caches, meta))
+    return logits.float(), torch.stack(caches).view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype"),
+    [
+        ("random:qwen3-tiny", torch.float32),
+        ("random:llama-tiny", torch.float32),
+        ("random:qwen2-tiny", torch.bfloat16),
+        ("random:qwen3-tiny", torch.bfloat16),
+    ],
+)
+def test_fused_layers_with_an_fp8_cache_rotate_queries_before_attention(
+    device: torch.device, model: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an FP8 cache and the Triton backend the rotary kernel quantizes keys and values into
+    the cache and hands attention its queries rotated (`q @ H`), so the attention kernel does
+    not rotate them. Against the same fused model with attention rotating them (and, in
+    float32, against the plain model, whose cache `write_kv` writes): the same cache bytes and
+    the same logits. (In bf16 the plain model rounds differently in the other fused layers.)"""
+    torch.manual_seed(11)
+    config = EngineConfig(model=model, dtype=str(dtype).removeprefix("torch."), device=device.type)
+    plain = load_model(config, device).model
+    fused = load_model(config, device).model
+    fused.load_state_dict(plain.state_dict())
+    install_fused_layers(fused)
+    ids = torch.randint(0, 512, (11,), device=device)
+    logits, cache = _fp8_prefill(fused, device, ids)
+    assert float((cache != 0).float().mean()) > 0.5  # the tokens' slots were written
+    calls: list[bool] = []
+    real_forward = TritonPagedAttention.forward
+
+    def forward(self: TritonPagedAttention, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(bool(kwargs.get("queries_rotated")))
+        return real_forward(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TritonPagedAttention, "forward", forward)
+    _fp8_prefill(fused, device, ids)
+    assert calls and all(calls)  # every layer's attention took rotated queries
+    monkeypatch.setattr(fused_layers, "rotates_keys", lambda head_dim: False)
+    calls.clear()
+    logits_unrotated, cache_unrotated = _fp8_prefill(fused, device, ids)
+    assert calls and not any(calls)
+    assert torch.equal(cache, cache_unrotated)
+    scale = float(logits.abs().max())
+    assert float((logits - logits_unrotated).abs().max()) <= 1e-5 * scale
+    if dtype == torch.float32:
+        logits_plain, cache_plain = _fp8_prefill(plain, device, ids)
+        assert torch.equal(cache, cache_plain)
+        assert float((logits - logits_plain).abs().max()) <= 1e-4 * scale
