@@ -46,18 +46,34 @@ def test_rms_norm_2d_and_strided_3d(device: torch.device, dtype: torch.dtype) ->
     assert _close(rms_norm(q, weight, 1e-6), rms_norm_reference(q, weight, 1e-6), dtype)
 
 
+def _rope_case(
+    device: torch.device,
+    dtype: torch.dtype,
+    dim: int,
+    positions: list[int],
+    heads: int,
+    kv_heads: int,
+    spread: float = 1.0,
+) -> tuple[torch.Tensor, ...]:
+    """cos and sin at `positions` as the model looks them up once per step ([T, 1, D] in the
+    activation dtype), and q, k, v as strided views of one fused qkv projection."""
+    at = torch.tensor(positions, device=device)
+    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = emb.cos()[at].unsqueeze(1).to(dtype)
+    sin = emb.sin()[at].unsqueeze(1).to(dtype)
+    qkv = spread * torch.randn(len(positions), heads + 2 * kv_heads, dim, device=device)
+    qkv = qkv.to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    return cos, sin, q, k, v
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_qk_norm_rope(device: torch.device, dtype: torch.dtype, with_norm: bool) -> None:
     torch.manual_seed(1)
-    dim, positions = 16, torch.tensor([0, 5, 9, 2], device=device)
-    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
-    emb = torch.cat((angles, angles), dim=-1)
-    # as the model looks them up once per step: [T, 1, D] in the activation dtype
-    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
-    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
-    qkv = torch.randn(4, 3 + 2 * 1, dim, device=device).to(dtype)
-    q, k = qkv[:, :3], qkv[:, 3:4]
+    dim = 16
+    cos, sin, q, k, _ = _rope_case(device, dtype, dim, [0, 5, 9, 2], 3, 1)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype) if with_norm else None
     qw = weights[0] if weights is not None else None
     kw = weights[1] if weights is not None else None
@@ -76,13 +92,7 @@ def test_qk_norm_rope_writes_the_kv_cache(
     rotary followed by `write_kv` would put them; padding slots (-1) write nothing."""
     torch.manual_seed(4)
     dim, heads, kv_heads, page, blocks = 16, 4, 2, 4, 5
-    positions = torch.tensor([0, 5, 9, 2, 3], device=device)
-    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
-    emb = torch.cat((angles, angles), dim=-1)
-    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
-    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
-    qkv = torch.randn(5, heads + 2 * kv_heads, dim, device=device).to(dtype)
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, [0, 5, 9, 2, 3], heads, kv_heads)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype) if with_norm else None
     qw = weights[0] if weights is not None else None
     kw = weights[1] if weights is not None else None
@@ -116,13 +126,7 @@ def test_qk_norm_rope_writes_an_fp8_cache_as_write_kv_does(
     rounding."""
     torch.manual_seed(6)
     heads, kv_heads, page, blocks = 4, 2, 4, 5
-    positions = torch.tensor([0, 5, 9, 2, 3, 7], device=device)
-    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
-    emb = torch.cat((angles, angles), dim=-1)
-    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
-    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
-    qkv = (3 * torch.randn(6, heads + 2 * kv_heads, dim, device=device)).to(dtype)
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, [0, 5, 9, 2, 3, 7], heads, kv_heads, 3.0)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
     slots = torch.tensor([3, 17, -1, 0, 9, 18], dtype=torch.int64, device=device)
     kv_scale = torch.tensor([[0.05, 0.2], [0.01, 0.3]], device=device)  # saturates some
@@ -159,13 +163,7 @@ def test_qk_norm_rope_rotates_queries(
 
     torch.manual_seed(8)
     dim, heads, kv_heads, page, blocks = 32, 3, 1, 4, 3
-    positions = torch.tensor([0, 5, 9, 2], device=device)
-    angles = torch.outer(torch.arange(12.0, device=device), torch.rand(dim // 2, device=device))
-    emb = torch.cat((angles, angles), dim=-1)
-    cos = emb.cos()[positions].unsqueeze(1).to(dtype)
-    sin = emb.sin()[positions].unsqueeze(1).to(dtype)
-    qkv = torch.randn(4, heads + 2 * kv_heads, dim, device=device).to(dtype)
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, [0, 5, 9, 2], heads, kv_heads)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
     q_plain, k_plain = qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6)
     expected = (q_plain.float() @ hadamard(dim, device)).to(dtype)
