@@ -212,6 +212,12 @@ def _store_heads(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _join_halves(x1, x2, BLOCK_H: tl.constexpr, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """`[BLOCK_H, HALF]` halves as whole heads, `[BLOCK_H, 2 * HALF]`."""
+    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (BLOCK_H, 2 * HALF))
+
+
+@triton.jit
 def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
@@ -263,7 +269,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
     if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_HQ, 2 * HALF)).to(dtype)
+        q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
         q = tl.dot(q, hadamard_tile(2 * HALF, dtype), input_precision=DOT_PRECISION)
         q_heads = tl.arange(0, BLOCK_HQ)[:, None]
         q_dims = tl.arange(0, 2 * HALF)[None, :]
@@ -283,7 +289,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
             v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
             v = tl.load(v_src, mask=heads < num_k_heads, other=0.0)
             if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
-                k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (BLOCK_HK, 2 * HALF))
+                k = _join_halves(k1, k2, BLOCK_HK, HALF)
                 store_token_kv(
                     k.to(dtype), v, cache_ptr, slot, scale_ptr, value_offset, num_k_heads, PAGE,
                     2 * HALF, BLOCK_HK, 2 * HALF, True, ROTATE, DOT_PRECISION,

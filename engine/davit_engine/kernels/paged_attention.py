@@ -15,7 +15,8 @@ accumulation (the queries clamped into fp16's range; fp32 models stay in fp32). 
 per-head scales apply once, to the scores (`q.(s k) = s (q.k)`) and to the output (`v_scale`),
 since both are constant within a program (one KV head), never per element. Its keys are stored
 Hadamard-rotated, so each program rotates its query tile the same way (`q @ H`, the matrix made
-in registers) and divides the scores by the head dim (`H @ H^T = D * I`). Its values are
+in registers; or the caller passes the queries rotated, `queries_rotated`) and divides the
+scores by the head dim (`H @ H^T = D * I`). Its values are
 stored key-minor in each block, so a value tile is read as 16-byte runs of keys and enters the
 product as the keys do (e4m3 bytes in the matrix unit's operand layout, widened there) instead
 of being widened, staged through shared memory as fp16 and read back transposed.
@@ -39,8 +40,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _fp8_values_tile(  # type: ignore[no-untyped-def]
     v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """An FP8 cache's values for keys `tile * BLOCK_N + [0, BLOCK_N)`, as [BLOCK_N, BLOCK_D].
 
@@ -71,14 +71,14 @@ def _fp8_values_tile(  # type: ignore[no-untyped-def]
 def _values_tile(  # type: ignore[no-untyped-def]
     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims, dim_valid,
     stride_cache_block, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """The values of keys `tile * BLOCK_N + [0, BLOCK_N)` as [BLOCK_N, BLOCK_D]: an FP8 cache's
     key-minor runs, or a model-dtype cache's rows at `kv_offs`."""
     if FP8:
         return _fp8_values_tile(
             v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
-            BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_N, BLOCK_D, PAGE, HEAD_DIM,
         )  # fmt: skip
     else:
         return tl.load(
@@ -198,8 +198,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
                 v = _values_tile(
                     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
-                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS,
-                    HEAD_DIM, FP8,
+                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
                 )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
                 k = k.to(q.dtype)
@@ -214,8 +213,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             if not EARLY_V:
                 v = _values_tile(
                     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
-                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, NUM_KV_HEADS,
-                    HEAD_DIM, FP8,
+                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
                 )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16
                 v = v.to(q.dtype)

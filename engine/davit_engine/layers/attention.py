@@ -18,7 +18,13 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys, write_fp8_kv
+from davit_engine.layers.fp8 import (
+    fp8_values_by_key,
+    hadamard,
+    is_fp8,
+    rotates_keys,
+    write_fp8_kv,
+)
 
 
 class AttentionBackend(Protocol):
@@ -172,13 +178,12 @@ def _gather_blocks(
     kv_cache: torch.Tensor, block_index: torch.Tensor, num_reqs: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # kv_cache: [2, num_blocks, bs, Hkv, D] -> keys, values: [B, Hkv, max_blocks * bs, D]
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
     if is_fp8(kv_cache.dtype):  # gathered as bytes, like the write
         blocks = kv_cache.view(torch.uint8).index_select(1, block_index)
         keys = blocks[0].view(kv_cache.dtype).to(dtype)  # [B * max_blocks, bs, Hkv, D]
         # values are stored [blocks, Hkv, D, bs] (kernels/kv_cache.py)
-        values = blocks[1].reshape(-1, num_kv_heads, head_dim, block_size)
-        values = values.view(kv_cache.dtype).to(dtype).permute(0, 3, 1, 2)
+        values = fp8_values_by_key(blocks).view(kv_cache.dtype).to(dtype).permute(0, 3, 1, 2)
     else:
         blocks = kv_cache.index_select(1, block_index).to(dtype)  # [2, B * mb, bs, Hkv, D]
         keys, values = blocks[0], blocks[1]

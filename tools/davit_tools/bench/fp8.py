@@ -251,7 +251,6 @@ def section_gemm(args: argparse.Namespace) -> None:
 def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dict[str, Any]:
     from davit_engine.kernels import paged_attention as pa
     from davit_engine.kernels.kv_cache import write_kv
-    from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
     from davit_tools.bench.timing import graph_us
 
     page, dim = 16, 128
@@ -261,7 +260,7 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
-    splits = default_num_splits(batch, hkv, ctx, q.device)
+    splits = pa.default_num_splits(batch, hkv, ctx, q.device)
     bf16 = torch.randn(2, num_blocks, page, hkv, dim, device="cuda", dtype=torch.bfloat16)
     kv_scale = torch.full((2, hkv), 4.0 / 448, device="cuda")
     fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)
@@ -283,7 +282,7 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     cap = pa._FP8_DECODE_MAX_REGISTERS
     for name, cache, scale, element, rotated, capped in timed:
         attend = functools.partial(
-            paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale,
+            pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale,
             queries_rotated=rotated,
         )  # fmt: skip
         pa._FP8_DECODE_MAX_REGISTERS = cap if capped else None
