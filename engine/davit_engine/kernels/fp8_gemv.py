@@ -17,6 +17,11 @@ partial sums a second kernel adds, scales and casts in a fixed order (determinis
 `w_scale` and the bias apply once per output. Activations are read in their own dtype (bf16,
 fp16 or fp32) and widened to float32, so the only rounding besides float32 summation is the
 final cast.
+
+An MLP's fused gate/up projection can apply its activation in the epilogue (`gated=True`):
+each program's tile pairs every gate row with its up row, so it holds both sums of an output
+and writes `silu(gate) * up` ([rows, N / 2]) instead of the product: at decode that removes
+the SiLU kernel and the product's round trip through memory, at the same bytes of W per step.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
 
@@ -115,17 +121,24 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The tile's BLOCK_N rows of W. GATED: N output columns from 2N rows of W ([gate | up]),
+    # each column's gate row and up row side by side in the tile, BLOCK_N // 2 columns.
+    lanes = tl.arange(0, BLOCK_N)
+    cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
     col_valid = cols < N
     # Out-of-range columns read the last row of W (no mask: the loads stay 16 bytes wide) and
     # are never stored.
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+    w_row = tl.minimum(cols, N - 1)
+    if GATED:
+        w_row += (lanes % 2) * N
+    w_rows = w_ptr + w_row.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
     ks = tl.arange(0, BLOCK_K)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -166,13 +179,20 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
         total = tl.sum(acc, 2)  # [ROWS, BLOCK_N]
     store_mask = (rows < num_rows)[:, None] & col_valid[None, :]
     if SPLIT_K == 1:
-        out = total * tl.load(scale_ptr + cols, mask=col_valid, other=0.0)[None, :]
+        out = total * tl.load(scale_ptr + w_row)[None, :]
         if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+            out += tl.load(bias_ptr + w_row).to(tl.float32)[None, :]
+        if GATED:  # [ROWS, BLOCK_N] -> gate and up [ROWS, BLOCK_N // 2]
+            gate, up = tl.split(tl.reshape(out, [ROWS, BLOCK_N // 2, 2]))
+            dtype = out_ptr.dtype.element_ty
+            out = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            store_mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
         dst = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:  # partial sums [SPLIT_K, num_rows, N]: _sum_splits_kernel finishes them
-        dst = part_ptr + (split * num_rows + rows.to(tl.int64))[:, None] * N + cols[None, :]
+    else:  # partial sums [SPLIT_K, num_rows, rows of W]: _sum_splits_kernel finishes them
+        n_w = 2 * N if GATED else N
+        dst = part_ptr + (split * num_rows + rows.to(tl.int64))[:, None] * n_w + w_row[None, :]
         tl.store(dst, total, mask=store_mask)
 
 
@@ -188,19 +208,37 @@ def _sum_splits_kernel(  # type: ignore[no-untyped-def]
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < N
-    splits = tl.arange(0, SPLIT_K)
-    parts = tl.load(part_ptr + (splits[:, None] * num_rows + row) * N + cols[None, :],
-                    mask=valid[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(parts, 0) * tl.load(scale_ptr + cols, mask=valid, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    out = _finish_splits(part_ptr, scale_ptr, bias_ptr, num_rows, 2 * N if GATED else N, row,
+                         cols, valid, HAS_BIAS, SPLIT_K)  # fmt: skip
+    if GATED:  # the up rows follow the gate rows
+        up = _finish_splits(part_ptr, scale_ptr, bias_ptr, num_rows, 2 * N, row, cols + N,
+                            valid, HAS_BIAS, SPLIT_K)  # fmt: skip
+        dtype = out_ptr.dtype.element_ty
+        out = silu_times(out.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + row * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _finish_splits(  # type: ignore[no-untyped-def]
+    part_ptr, scale_ptr, bias_ptr, num_rows, n_w, row, w_rows, valid,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Rows `w_rows` of W's partial sums added over the splits in a fixed order, scaled (and
+    biased), in float32."""
+    splits = tl.arange(0, SPLIT_K)
+    parts = tl.load(part_ptr + (splits[:, None] * num_rows + row) * n_w + w_rows[None, :],
+                    mask=valid[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(parts, 0) * tl.load(scale_ptr + w_rows, mask=valid, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + w_rows, mask=valid, other=0.0).to(tl.float32)
+    return out
 
 
 def fp8_gemv(
@@ -209,34 +247,46 @@ def fp8_gemv(
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
     config: GemvConfig | None = None,
-) -> torch.Tensor:  # [M, N] in x's dtype
+    gated: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype ([M, N / 2] when gated)
     """`(x @ weight^T) * weight_scale + bias` with float32 accumulation, any number of rows
-    (made for one to `MAX_ROWS`; W is read once per `ROWS_PER_PROGRAM` rows)."""
+    (made for one to `MAX_ROWS`; W is read once per `ROWS_PER_PROGRAM` rows).
+
+    `gated`: W is an MLP's fused `[gate | up]` projection and the result is
+    `silu(gate) * up` [M, N / 2], the numbers `layer_ops.silu_mul` gives on the product's
+    output (gate and up rounded to x's dtype first), without writing the product or launching
+    a second kernel. Each program then takes a gate row and its up row side by side, the same
+    bytes per step as the plain product."""
     num_rows, k = x.shape
-    n = weight.shape[0]
+    n_w = weight.shape[0]
     assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
     assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    if gated and n_w % 2:
+        raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")
+    n = n_w // 2 if gated else n_w
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    cfg = config or default_config(num_rows, n, x.device)
+    cfg = config or default_config(num_rows, n_w, x.device)
+    if gated and cfg.block_n < 2:
+        raise ValueError(f"gated: config.block_n must be at least 2 (got {cfg.block_n})")
     rows_per_program = min(triton.next_power_of_2(num_rows), ROWS_PER_PROGRAM)
-    split_k = cfg.split_k or default_split_k(n, k, cfg, x.device)
+    split_k = cfg.split_k or default_split_k(n_w, k, cfg, x.device)
     split_k = triton.next_power_of_2(max(1, min(split_k, triton.cdiv(k, cfg.block_k))))
     # whole K steps per split, so that only the last split can end inside a step
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     part = (
-        torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device)
+        torch.empty(split_k, num_rows, n_w, dtype=torch.float32, device=x.device)
         if split_k > 1
         else out
     )
     launch = pdl_launch(x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(num_rows, rows_per_program))
+    grid = (triton.cdiv(n_w, cfg.block_n), split_k, triton.cdiv(num_rows, rows_per_program))
     _fp8_gemv_kernel[grid](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
         num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
         num_warps=cfg.num_warps, num_stages=1, **launch,
     )  # fmt: skip
     if split_k > 1:
@@ -244,6 +294,7 @@ def fp8_gemv(
         _sum_splits_kernel[(triton.cdiv(n, block), num_rows)](
             part, weight_scale, bias if bias is not None else weight_scale, out,
             num_rows, n, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4, **launch,
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, GATED=gated, num_warps=4,
+            **launch,
         )  # fmt: skip
     return out

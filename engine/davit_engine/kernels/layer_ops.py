@@ -433,8 +433,17 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]
     gate = tl.load(x_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * width + cols, silu_times(gate, up, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """`silu(gate) * up` in float32 for float32 `gate` and `up` that hold values of `DTYPE`,
+    rounding the activation to `DTYPE` where the torch layer materialises it; the caller casts
+    the product. One definition for every kernel that applies the MLP's gate, so they agree bit
+    for bit (compile them without fp fusion: `enable_fp_fusion=False`)."""
+    act = _round(gate / (1.0 + tl.exp(-gate)), DTYPE)
+    return act * up
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

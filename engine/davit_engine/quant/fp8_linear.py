@@ -28,11 +28,13 @@ import functools
 import torch
 from torch import nn
 
+from davit_engine.kernels import fp8_gemv
 from davit_engine.kernels.fp8_linear import (
     fp8_weight_matmul,
     quantize_rows,
     quantize_rows_reference,
 )
+from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
 
@@ -111,6 +113,23 @@ class Fp8Linear(nn.Module):
         else:
             out = self._forward_emulated(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` [..., N / 2] of this projection's output `[gate | up]` (an MLP's
+        fused gate/up projection). Where CUDA runs the matrix-vector product (up to
+        `fp8_gemv.MAX_ROWS` rows) the activation is applied in that kernel's epilogue: the
+        same numbers as the product followed by `layer_ops.silu_mul`, one kernel and no
+        [rows, N] intermediate; elsewhere the two run one after the other (Triton kernels:
+        a GPU, or the CPU under Triton's interpreter)."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        rows = flat.shape[0]
+        if flat.device.type == "cuda" and rows <= min(fp8_gemv.MAX_ROWS, self.weight_only_max_rows):
+            out = fp8_gemv.fp8_gemv(flat, self.weight, self.weight_scale, self.bias, gated=True)
+        else:
+            out = silu_mul(self.forward(flat))
+        return out.view(*x.shape[:-1], self.out_features // 2)
 
     def _uses_library_gemm(self, x: torch.Tensor) -> bool:
         if x.shape[0] <= self.weight_only_max_rows or x.dtype != torch.bfloat16:

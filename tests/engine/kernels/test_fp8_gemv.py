@@ -9,6 +9,7 @@ from davit_engine.kernels import fp8_gemv
 from davit_engine.kernels.fp8_gemv import GemvConfig, default_split_k
 from davit_engine.kernels.fp8_gemv import fp8_gemv as gemv
 from davit_engine.kernels.fp8_linear import fp8_weight_matmul, fp8_weight_matmul_reference
+from davit_engine.kernels.layer_ops import silu_mul, silu_mul_reference
 from tests.engine.kernels.fp8_cases import fp8_weights as _weights
 from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
@@ -105,3 +106,84 @@ def test_gemv_bf16_real_shapes(device: torch.device, rows: int, n: int, k: int) 
     out = gemv(x, weight, scale)
     assert torch.isfinite(out).all()
     assert _rel_err(out, fp8_weight_matmul_reference(x.float(), weight, scale)) < 4e-3
+
+
+def _gated_unfused(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    cfg: GemvConfig | None,
+) -> torch.Tensor:  # fmt: skip
+    """The two kernels the gated product replaces: the plain product, then SiLU x up."""
+    return silu_mul(gemv(x, weight, scale, bias, cfg))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_equals_product_then_silu_mul(
+    device: torch.device, rows: int, bias: bool, dtype: torch.dtype
+) -> None:
+    """`gated=True` gives `silu(gate) * up` of the product, bit for bit what the product
+    followed by `layer_ops.silu_mul` gives, at an odd width (a partial last tile of columns)
+    and a K tail inside a step; and close to the float64 reference."""
+    torch.manual_seed(rows * 4 + bias)
+    width, k = 19, 203
+    weight, scale = _weights(2 * width, k, device)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    b = torch.randn(2 * width, device=device).to(dtype) if bias else None
+    cfg = GemvConfig(block_n=8, block_k=64, num_warps=4)
+    out = gemv(x, weight, scale, b, cfg, gated=True)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    unfused = _gated_unfused(x, weight, scale, b, cfg)
+    if device.type == "cpu":
+        assert torch.equal(out, unfused)
+    else:  # the GPU's exp and division may round the last bit apart between two kernels
+        torch.testing.assert_close(out, unfused, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-5)  # fmt: skip
+    product = fp8_weight_matmul_reference(x.double(), weight, scale.double(), b)
+    expected = silu_mul_reference(product).to(dtype)
+    # bf16: gate rounded before SiLU, whose relative error grows as 1 + |gate| for large
+    # negative gates (about +-30 here)
+    assert _rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("split_k", [2, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_gemv_split_k(device: torch.device, split_k: int, rows: int) -> None:
+    """K split over programs: the second pass sums the gate and the up rows' partials and
+    applies the activation (the same numbers as the unsplit kernel, up to summation order)."""
+    torch.manual_seed(50 + split_k + rows)
+    width, k = 12, 1100
+    weight, scale = _weights(2 * width, k, device)
+    x = torch.randn(rows, k, device=device)
+    b = torch.randn(2 * width, device=device)
+    cfg = GemvConfig(block_n=8, block_k=64, num_warps=4, split_k=split_k)
+    out = gemv(x, weight, scale, b, cfg, gated=True)
+    assert out.shape == (rows, width)
+    assert _rel_err(out, _gated_unfused(x, weight, scale, b, cfg)) < 1e-6
+    unsplit = GemvConfig(block_n=8, block_k=64, num_warps=4, split_k=1)
+    assert _rel_err(out, gemv(x, weight, scale, b, unsplit, gated=True)) < 1e-6
+
+
+def test_gated_gemv_refuses_an_odd_weight(device: torch.device) -> None:
+    weight, scale = _weights(9, 64, device)
+    x = torch.randn(1, 64, device=device)
+    with pytest.raises(ValueError, match="gated: .*even"):
+        gemv(x, weight, scale, gated=True)
+    weight, scale = _weights(8, 64, device)
+    with pytest.raises(ValueError, match="block_n"):
+        gemv(x, weight, scale, config=GemvConfig(block_n=1, block_k=64, num_warps=1), gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(("inter", "k"), [(14336, 4096), (3072, 1024)])
+def test_gated_gemv_real_shapes(device: torch.device, rows: int, inter: int, k: int) -> None:
+    """The gate/up shapes of Llama-3.1-8B and Qwen3-0.6B at the engine's default tiles."""
+    torch.manual_seed(9)
+    weight, scale = _weights(2 * inter, k, device)
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    out = gemv(x, weight, scale, gated=True)
+    assert out.shape == (rows, inter) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, silu_mul(gemv(x, weight, scale)), rtol=1e-2, atol=1e-3)
+    expected = silu_mul_reference(fp8_weight_matmul_reference(x.float(), weight, scale))
+    assert _rel_err(out, expected) < 8e-3

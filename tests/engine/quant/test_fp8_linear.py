@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from davit_engine.config import EngineConfig
+from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.loader import load_model
 from davit_engine.models.llama import LlamaDecoderLayer
 from davit_engine.quant.fp8_linear import Fp8Linear, quantize_projections
@@ -92,3 +93,22 @@ def test_cuda_paths_match_the_cpu_arithmetic(device: torch.device, rows: int) ->
     expected = cpu(x.float().cpu())
     assert out.dtype == torch.bfloat16
     assert _rel_err(out.float().cpu(), expected) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 20])
+def test_forward_silu_mul_is_the_activation_of_the_product(device: torch.device, rows: int) -> None:
+    """`forward_silu_mul` (an MLP's gate/up projection with SiLU x up): on a GPU at one or two
+    rows a single kernel, elsewhere the product then `silu_mul`; always the numbers of those
+    two, leading dims kept."""
+    torch.manual_seed(60 + rows)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fp8 = Fp8Linear.from_linear(_linear(2 * 40, 96, bias=False, device=device).to(dtype))
+    x = torch.randn(rows, 96, device=device, dtype=dtype)
+    out = fp8.forward_silu_mul(x)
+    assert out.shape == (rows, 40) and out.dtype == dtype
+    two_kernels = silu_mul(fp8(x))
+    if device.type == "cpu":
+        assert torch.equal(out, two_kernels)
+    else:
+        torch.testing.assert_close(out, two_kernels, rtol=1e-2, atol=1e-3)
+    assert fp8.forward_silu_mul(x.view(1, rows, 96)).shape == (1, rows, 40)

@@ -4,6 +4,7 @@ refuses (the timed workloads themselves run on a GPU)."""
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,45 @@ def test_bad_arguments_are_refused_naming_the_flag(
         fp8.main(argv)
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_workload_sets_the_gate_activation_switch_while_the_engine_exists(
+    monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """`fp8-both-separate-silu` turns the fused SiLU x up off from before the engine is made
+    (its graphs are captured there) until it is shut down, and back on afterwards, also when
+    the engine fails to start."""
+    from davit_engine.runner.v2 import fused_layers
+    from davit_tools.bench import gpu_suite
+
+    seen: list[bool] = []
+
+    class Core:
+        model_info = types.SimpleNamespace(vocab_size=10, num_blocks=3)
+        memory_profile = None
+
+        def shutdown(self) -> None:
+            seen.append(fused_layers.FUSE_FP8_GATE_ACTIVATION)
+
+    def make_core(*args: Any, **kwargs: Any) -> Core:
+        seen.append(fused_layers.FUSE_FP8_GATE_ACTIVATION)
+        if fails:
+            raise RuntimeError("no GPU")
+        return Core()
+
+    monkeypatch.setattr(gpu_suite, "make_core", make_core)
+    monkeypatch.setattr(gpu_suite, "_engine_loop", lambda core, requests: {})
+    monkeypatch.setattr(gpu_suite, "warmup_requests", lambda vocab: [])
+    monkeypatch.setattr(gpu_suite, "workload_requests", lambda workload, vocab: [])
+    monkeypatch.setattr(gpu_suite, "free_memory", lambda: None)
+    variant = fp8.VARIANTS["fp8-both-separate-silu"]
+    assert not variant.gate_activation_fused and fp8.VARIANTS["fp8-both"].gate_activation_fused
+    if fails:
+        with pytest.raises(RuntimeError):
+            fp8._run_workload(fp8.W2(), variant, 1e12)
+        assert seen == [False]
+    else:
+        assert fp8._run_workload(fp8.W2(), variant, 1e12)["num_blocks"] == 3
+        assert seen == [False, False]
+    assert fused_layers.FUSE_FP8_GATE_ACTIVATION is True

@@ -11,13 +11,15 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   (`--gemv-configs`, up to 8 rows), the matrix-unit kernel's tiles (`--gemm-configs`), and
   per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
-  names the fastest FP8 weight-only variant;
+  names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
+  with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`;
 - `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128) and W2's
   (B 1, context 1152, 32/8 x 128) over a bf16 and an FP8 cache (write included separately);
   FP8 as the V2 runner launches it (queries rotated beforehand), with the kernel rotating the
   queries itself (`fp8_q_tile`), and without the register cap (`fp8_uncapped`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
-  an FP8 KV cache (`--w2-variants`), decode tok/s against each one's bandwidth floor, and
+  an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
+  instead of in the gate/up product's), decode tok/s against each one's bandwidth floor, and
   whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
@@ -216,6 +218,18 @@ def _gemm_rows(
             weight_only[label] = us
         except Exception as exc:  # a tile that does not compile here: report, go on
             row[label + "_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if name == "gate_up" and rows <= fp8_gemv.MAX_ROWS:  # SiLU x up: in the epilogue or not
+        from davit_engine.kernels.layer_ops import silu_mul
+
+        def separate(i: int) -> torch.Tensor:
+            return silu_mul(fp8_gemv.fp8_gemv(x, fp8[i], scales[i]))
+
+        def gated(i: int) -> torch.Tensor:
+            return fp8_gemv.fp8_gemv(x, fp8[i], scales[i], gated=True)
+
+        row["act_separate_us"] = round(graph_us(cycled(separate), 20), 2)
+        row["act_gated_us"] = round(graph_us(cycled(gated), 20), 2)
+        row["act_gated_equal"] = bool(torch.equal(gated(0), separate(0)))
     if weight_only:
         best = min(weight_only, key=lambda key: weight_only[key])
         row["best"] = best
@@ -318,6 +332,9 @@ class Variant:
     name: str
     quantization: str | None
     kv_cache_dtype: str
+    # FP8 gate/up projections apply SiLU x up in their kernel (fused_layers'
+    # FUSE_FP8_GATE_ACTIVATION); False runs the separate kernel, as before it existed
+    gate_activation_fused: bool = True
 
 
 VARIANTS = {
@@ -325,6 +342,7 @@ VARIANTS = {
     "fp8-kv": Variant("fp8-kv", None, "fp8"),
     "fp8-weights": Variant("fp8-weights", "fp8", "auto"),
     "fp8-both": Variant("fp8-both", "fp8", "fp8"),
+    "fp8-both-separate-silu": Variant("fp8-both-separate-silu", "fp8", "fp8", False),
 }
 
 
@@ -349,6 +367,7 @@ def w2_floor_bytes(w2: W2, variant: Variant) -> int:
 
 
 def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -> dict[str, Any]:
+    from davit_engine.runner.v2 import fused_layers
     from davit_tools.bench.gpu_suite import (
         _engine_loop,
         free_memory,
@@ -357,10 +376,15 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
         workload_requests,
     )
 
+    # read when the decode graphs are captured, inside make_core
+    fused_before = fused_layers.FUSE_FP8_GATE_ACTIVATION
+    fused_layers.FUSE_FP8_GATE_ACTIVATION = variant.gate_activation_fused
     start = time.perf_counter()
-    core = make_core(workload.model, "v2", False, "bfloat16", quantization=variant.quantization,
-                     kv_cache_dtype=variant.kv_cache_dtype, **workload.engine_limits())  # fmt: skip
+    core = None
     try:
+        core = make_core(workload.model, "v2", False, "bfloat16",
+                         quantization=variant.quantization, kv_cache_dtype=variant.kv_cache_dtype,
+                         **workload.engine_limits())  # fmt: skip
         setup_s = time.perf_counter() - start
         vocab = core.model_info.vocab_size
         _engine_loop(core, warmup_requests(vocab))
@@ -372,8 +396,10 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
             res["block_bytes"] = profile.memory.block_bytes
             res["weights_gib"] = round(profile.memory.weights_bytes / 2**30, 3)
     finally:
-        core.shutdown()
-        del core
+        if core is not None:
+            core.shutdown()
+            del core
+        fused_layers.FUSE_FP8_GATE_ACTIVATION = fused_before
         free_memory()
     res["setup_s"] = round(setup_s, 1)
     return res

@@ -8,8 +8,10 @@ is per instance. Per decoder layer at decode batch sizes:
 - the residual add after attention and after the MLP each run in one kernel with the RMSNorm
   that follows (the next layer's input norm, or the final norm);
 - q/k norm + rotary write the rotated keys and the values straight into the paged KV cache
-  when the attention backend is the Triton one (no separate cache-write kernel); an FP8 cache
-  is written by the backend's `write_kv`, which quantizes with the layer's `kv_scale`.
+  when the attention backend is the Triton one (no separate cache-write kernel), an FP8 cache
+  included (quantized with the layer's `kv_scale`, keys and queries Hadamard-rotated);
+- SiLU x up runs in the epilogue of an FP8 gate/up projection's matrix-vector kernel (decode
+  at one or two rows), else as its own kernel after the projection.
 
 An attention forward whose signature this module does not know is left alone (and counted
 out), so a change to the model composition degrades speed, never correctness.
@@ -35,6 +37,7 @@ from davit_engine.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from davit_engine.quant.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +51,17 @@ def _fused_rms_norm(module: RMSNorm) -> Any:
     return forward
 
 
+# Whether an FP8 gate/up projection applies SiLU x up in its own kernel at decode rows
+# (`Fp8Linear.forward_silu_mul`); a switch so that a benchmark can time both.
+FUSE_FP8_GATE_ACTIVATION = True
+
+
 def _fused_mlp(module: LlamaMLP) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(silu_mul(module.gate_up_proj(x)))
+        gate_up = module.gate_up_proj
+        if FUSE_FP8_GATE_ACTIVATION and isinstance(gate_up, Fp8Linear):
+            return module.down_proj(gate_up.forward_silu_mul(x))
+        return module.down_proj(silu_mul(gate_up(x)))
 
     return forward
 

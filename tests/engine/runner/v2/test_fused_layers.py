@@ -147,3 +147,37 @@ def test_fused_layers_with_an_fp8_cache_rotate_queries_before_attention(
         logits_plain, cache_plain = _fp8_prefill(plain, device, ids)
         assert torch.equal(cache, cache_plain)
         assert float((logits - logits_plain).abs().max()) <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("fuse_activation", [True, False])
+def test_fused_layers_with_fp8_projections(
+    device: torch.device, fuse_activation: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 projections at two tokens (decode rows: on a GPU the gate/up projection's kernel
+    applies SiLU x up itself, `FUSE_FP8_GATE_ACTIVATION`; off, the separate kernel): the fused
+    model gives the plain model's logits."""
+    monkeypatch.setattr(fused_layers, "FUSE_FP8_GATE_ACTIVATION", fuse_activation)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = EngineConfig(model="random:qwen3-tiny", dtype=dtype, device=device.type,
+                          quantization="fp8")  # fmt: skip
+    plain = load_model(config, device).model
+    fused = load_model(config, device).model
+    fused.load_state_dict(plain.state_dict())
+    assert type(fused.model.layers[0].mlp.gate_up_proj).__name__ == "Fp8Linear"
+    install_fused_layers(fused)
+    num_tokens, page, num_blocks = 2, 4, 1
+    ids = torch.tensor([5, 77], device=device)
+    outs = []
+    for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
+        c = net.config
+        shape = (2, num_blocks, page, c.num_kv_heads, c.head_dim)
+        caches = [
+            torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
+            for _ in range(c.num_layers)
+        ]
+        meta = _prefill_meta(device, num_tokens, num_blocks, backend)
+        with torch.inference_mode():
+            hidden = net(ids, torch.arange(num_tokens, device=device), caches, meta)
+            outs.append(net.compute_logits(hidden).float())
+    tol = 3e-2 if dtype == "bfloat16" else 1e-4
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
