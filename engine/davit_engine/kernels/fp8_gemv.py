@@ -27,31 +27,36 @@ the SiLU kernel and the product's round trip through memory, at the same bytes o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from davit_engine.kernels.layer_ops import silu_times
-from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.kernels.pdl import gdc_enter, pdl_enabled, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tile and launch options of `fp8_gemv`. `split_k` 0: chosen from the shape and the GPU's
-    multiprocessor count (`default_split_k`)."""
+    multiprocessor count (`default_split_k`). `prefetch`: each program first sends its slice of
+    W towards L2 (bulk prefetches, before it waits for the kernel before it); only where
+    programmatic dependent launch is on (sm_90+, `kernels/pdl.py`) and K is a multiple of 16,
+    ignored elsewhere."""
 
     block_n: int
     block_k: int
     num_warps: int
     split_k: int = 0
+    prefetch: bool = False
 
     @property
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k else "sauto"
-        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}"
+        prefetch = "p" if self.prefetch else ""
+        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}{prefetch}"
 
 
 # One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
@@ -69,15 +74,21 @@ MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
+# Whether the default configs prefetch W (GemvConfig.prefetch). Off: not yet timed on a GPU;
+# a module switch so that a benchmark can run the engine both ways.
+PREFETCH_W = False
 
 
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
-        return FEW_ROWS_CONFIG
-    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
-    if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted:
-        return ONE_ROW_CONFIG
-    return ONE_ROW_NARROW_CONFIG
+        cfg = FEW_ROWS_CONFIG
+    elif triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= (
+        _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    ):
+        cfg = ONE_ROW_CONFIG
+    else:
+        cfg = ONE_ROW_NARROW_CONFIG
+    return replace(cfg, prefetch=True) if PREFETCH_W else cfg
 
 
 @functools.cache
@@ -122,12 +133,15 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     GATED: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PREFETCH:  # W does not depend on the kernel before: start it towards L2 before waiting
+        _prefetch_rows(w_ptr, pid_n, split, N, K, k_per_split, BLOCK_N, GATED)
+    gdc_enter(USE_GDC)
     # The tile's BLOCK_N rows of W. GATED: N output columns from 2N rows of W ([gate | up]),
     # each column's gate row and up row side by side in the tile, BLOCK_N // 2 columns.
     lanes = tl.arange(0, BLOCK_N)
@@ -194,6 +208,43 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
         n_w = 2 * N if GATED else N
         dst = part_ptr + (split * num_rows + rows.to(tl.int64))[:, None] * n_w + w_row[None, :]
         tl.store(dst, total, mask=store_mask)
+
+
+_PREFETCH_CHUNK = tl.constexpr(4096)  # bytes per bulk prefetch instruction
+
+
+@triton.jit
+def _prefetch_rows(  # type: ignore[no-untyped-def]
+    w_ptr, pid_n, split, N, K, k_per_split, BLOCK_N: tl.constexpr, GATED: tl.constexpr
+):
+    """Bulk L2 prefetches (sm_90: `cp.async.bulk.prefetch.L2`) of this program's slice of W,
+    issued by its first thread: row by row, `_PREFETCH_CHUNK` bytes each (K a multiple of 16,
+    as the bulk copy wants). They change no value, so they may run before `gdc_wait`."""
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for r in tl.static_range(BLOCK_N):
+        if GATED:
+            row = tl.minimum(pid_n * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
+        else:
+            row = tl.minimum(pid_n * BLOCK_N + r, N - 1)
+        base = w_ptr + row.to(tl.int64) * K
+        for k0 in range(k_begin, k_end, _PREFETCH_CHUNK):
+            size = tl.minimum(k_end - k0, _PREFETCH_CHUNK)
+            tl.inline_asm_elementwise(
+                """{
+                .reg .pred first;
+                .reg .u32 tid;
+                mov.u32 tid, %tid.x;
+                setp.eq.u32 first, tid, 0;
+                @first cp.async.bulk.prefetch.L2.global [$1], $2;
+                mov.u32 $0, 0;
+                }""",
+                "=r,l,r",
+                [base + k0, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 @triton.jit
@@ -287,6 +338,7 @@ def fp8_gemv(
         num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
+        PREFETCH=cfg.prefetch and k % 16 == 0 and pdl_enabled(x.device),
         num_warps=cfg.num_warps, num_stages=1, **launch,
     )  # fmt: skip
     if split_k > 1:

@@ -187,3 +187,45 @@ def test_gated_gemv_real_shapes(device: torch.device, rows: int, inter: int, k: 
     torch.testing.assert_close(out, silu_mul(gemv(x, weight, scale)), rtol=1e-2, atol=1e-3)
     expected = silu_mul_reference(fp8_weight_matmul_reference(x.float(), weight, scale))
     assert _rel_err(out, expected) < 8e-3
+
+
+def test_default_configs_prefetch_where_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = torch.device("cpu")  # the interpreter's stand-in
+    assert not any(fp8_gemv.default_config(r, n, gpu).prefetch for r in (1, 3) for n in (8, 4096))
+    monkeypatch.setattr(fp8_gemv, "PREFETCH_W", True)
+    for rows, n in ((1, 4096), (1, 120), (3, 4096)):
+        cfg = fp8_gemv.default_config(rows, n, gpu)
+        assert cfg.prefetch and cfg.label.endswith("p")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_prefetch_changes_no_value(device: torch.device, gated: bool, split_k: int) -> None:
+    """The prefetch of W (a GPU with programmatic dependent launch; ignored elsewhere) gives
+    the same bytes as the product without it, split or not, at a K multiple of 16 and not."""
+    for k in (1024, 1000):
+        torch.manual_seed(k + split_k)
+        weight, scale = _weights(48, k, device)
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        plain = GemvConfig(block_n=8, block_k=128, num_warps=4, split_k=split_k)
+        prefetched = GemvConfig(block_n=8, block_k=128, num_warps=4, split_k=split_k,
+                                prefetch=True)  # fmt: skip
+        assert torch.equal(
+            gemv(x, weight, scale, config=prefetched, gated=gated),
+            gemv(x, weight, scale, config=plain, gated=gated),
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_prefetch_changes_no_value_at_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, n: int, k: int
+) -> None:
+    torch.manual_seed(13)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    plain = gemv(x, weight, scale)
+    plain_gated = gemv(x, weight, scale, gated=True)
+    monkeypatch.setattr(fp8_gemv, "PREFETCH_W", True)
+    assert torch.equal(gemv(x, weight, scale), plain)
+    assert torch.equal(gemv(x, weight, scale, gated=True), plain_gated)

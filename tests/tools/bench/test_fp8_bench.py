@@ -55,6 +55,9 @@ def test_w1_rounds_interleave_the_variants_and_record_a_summary(
         (["--w1-variants", "bf16,fp9"], "--w1-variants"),
         (["--w2-variants", "fp8"], "--w2-variants"),
         (["--sections", "w1,speed"], "--sections"),
+        (["--gemv-configs", "8/512/4/0/q"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4"], "--gemv-configs"),
+        (["--gemm-configs", "32/512/x/4"], "--gemm-configs"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_flag(
@@ -97,7 +100,6 @@ def test_run_workload_sets_the_gate_activation_switch_while_the_engine_exists(
     monkeypatch.setattr(gpu_suite, "workload_requests", lambda workload, vocab: [])
     monkeypatch.setattr(gpu_suite, "free_memory", lambda: None)
     variant = fp8.VARIANTS["fp8-both-separate-silu"]
-    assert not variant.gate_activation_fused and fp8.VARIANTS["fp8-both"].gate_activation_fused
     if fails:
         with pytest.raises(RuntimeError):
             fp8._run_workload(fp8.W2(), variant, 1e12)
@@ -106,3 +108,21 @@ def test_run_workload_sets_the_gate_activation_switch_while_the_engine_exists(
         assert fp8._run_workload(fp8.W2(), variant, 1e12)["num_blocks"] == 3
         assert seen == [False, False]
     assert fused_layers.FUSE_FP8_GATE_ACTIVATION is True
+
+
+def test_gemv_configs_parse_the_prefetch_flag() -> None:
+    plain, prefetched = fp8._parse_gemv_configs("8/512/4/0;4/1024/4/2/p")
+    assert not plain.prefetch and plain.label == "gemv_8x512w4sauto"
+    assert prefetched.prefetch and prefetched.split_k == 2 and prefetched.label.endswith("s2p")
+
+
+def test_variant_switches_name_existing_engine_attributes() -> None:
+    """Every switch a variant sets exists in the engine (a renamed switch fails here, not on
+    the GPU)."""
+    import importlib
+
+    switches = [sw for variant in fp8.VARIANTS.values() for sw in variant.switches]
+    assert switches
+    for module_name, attribute, value in switches:
+        current = getattr(importlib.import_module(module_name), attribute)
+        assert type(current) is type(value) and current != value

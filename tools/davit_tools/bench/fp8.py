@@ -19,7 +19,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   queries itself (`fp8_q_tile`), and without the register cap (`fp8_uncapped`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
-  instead of in the gate/up product's), decode tok/s against each one's bandwidth floor, and
+  instead of in the gate/up product's, `fp8-both-prefetch` has the matrix-vector products
+  prefetch W), decode tok/s against each one's bandwidth floor, and
   whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -128,19 +130,30 @@ def _parse_configs(text: str) -> list[Any]:
 
     configs = []
     for item in filter(None, text.split(";")):
-        n, k, w, s = (int(v) for v in item.split("/"))
+        fields = item.split("/")
+        if len(fields) != 4 or not all(v.isdigit() for v in fields):
+            raise ValueError(f"--gemm-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/STAGES")
+        n, k, w, s = (int(v) for v in fields)
         configs.append(MatmulConfig(block_m=16, block_n=n, block_k=k, num_warps=w, num_stages=s))
     return configs
 
 
 def _parse_gemv_configs(text: str) -> list[Any]:
-    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K;...` -> GemvConfigs (SPLIT_K 0: the engine's choice)."""
+    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p];...` -> GemvConfigs (SPLIT_K 0: the engine's choice;
+    a trailing `/p`: W prefetched towards L2 before the program waits, GemvConfig.prefetch)."""
     from davit_engine.kernels.fp8_gemv import GemvConfig
 
     configs = []
     for item in filter(None, text.split(";")):
-        n, k, w, split = (int(v) for v in item.split("/"))
-        configs.append(GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split))
+        fields = item.split("/")
+        prefetch = len(fields) == 5 and fields[4] == "p"
+        numbers = all(v.isdigit() for v in fields[:4])
+        if len(fields) not in (4, 5) or (len(fields) == 5 and not prefetch) or not numbers:
+            raise ValueError(f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p]")
+        n, k, w, split = (int(v) for v in fields[:4])
+        configs.append(
+            GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split, prefetch=prefetch)
+        )
     return configs
 
 
@@ -332,9 +345,8 @@ class Variant:
     name: str
     quantization: str | None
     kv_cache_dtype: str
-    # FP8 gate/up projections apply SiLU x up in their kernel (fused_layers'
-    # FUSE_FP8_GATE_ACTIVATION); False runs the separate kernel, as before it existed
-    gate_activation_fused: bool = True
+    # engine module switches (module, attribute, value) set while this variant's engine exists
+    switches: tuple[tuple[str, str, object], ...] = ()
 
 
 VARIANTS = {
@@ -342,7 +354,17 @@ VARIANTS = {
     "fp8-kv": Variant("fp8-kv", None, "fp8"),
     "fp8-weights": Variant("fp8-weights", "fp8", "auto"),
     "fp8-both": Variant("fp8-both", "fp8", "fp8"),
-    "fp8-both-separate-silu": Variant("fp8-both-separate-silu", "fp8", "fp8", False),
+    # SiLU x up as its own kernel after the gate/up product, not in its epilogue
+    "fp8-both-separate-silu": Variant(
+        "fp8-both-separate-silu",
+        "fp8",
+        "fp8",
+        (("davit_engine.runner.v2.fused_layers", "FUSE_FP8_GATE_ACTIVATION", False),),
+    ),  # fmt: skip
+    # the matrix-vector products prefetch W towards L2 before waiting on the kernel before
+    "fp8-both-prefetch": Variant(
+        "fp8-both-prefetch", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PREFETCH_W", True),)
+    ),
 }
 
 
@@ -367,7 +389,6 @@ def w2_floor_bytes(w2: W2, variant: Variant) -> int:
 
 
 def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -> dict[str, Any]:
-    from davit_engine.runner.v2 import fused_layers
     from davit_tools.bench.gpu_suite import (
         _engine_loop,
         free_memory,
@@ -376,9 +397,12 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
         workload_requests,
     )
 
-    # read when the decode graphs are captured, inside make_core
-    fused_before = fused_layers.FUSE_FP8_GATE_ACTIVATION
-    fused_layers.FUSE_FP8_GATE_ACTIVATION = variant.gate_activation_fused
+    # set before the engine exists: its decode graphs are captured inside make_core
+    before = []
+    for module_name, attribute, value in variant.switches:
+        module = importlib.import_module(module_name)
+        before.append((module, attribute, getattr(module, attribute)))
+        setattr(module, attribute, value)
     start = time.perf_counter()
     core = None
     try:
@@ -399,7 +423,8 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
         if core is not None:
             core.shutdown()
             del core
-        fused_layers.FUSE_FP8_GATE_ACTIVATION = fused_before
+        for module, attribute, value in reversed(before):
+            setattr(module, attribute, value)
         free_memory()
     res["setup_s"] = round(setup_s, 1)
     return res
@@ -558,8 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-configs", default="32/512/4/4",
                         help="extra matrix-unit tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
     parser.add_argument("--gemv-configs",
-                        default="8/512/4/0;16/512/4/0;8/1024/4/0;4/1024/4/0;16/1024/8/0;8/512/4/1",
-                        help="matrix-vector tiles: BLOCK_N/BLOCK_K/WARPS/SPLIT_K;... (0: auto)")  # fmt: skip
+                        default="8/512/4/0;8/512/4/0/p;4/1024/4/0;4/1024/4/0/p;16/512/4/0;"
+                                "8/1024/4/0;16/1024/8/0;8/512/4/1",
+                        help="matrix-vector tiles: BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p];... (0: "
+                             "auto; /p: W prefetched towards L2)")  # fmt: skip
     parser.add_argument("--gemm-rows", default="1,2,4,8,16,256")
     parser.add_argument("--copy-bw", type=float, default=4.24e12, help="bytes/s (run 2)")
     parser.add_argument("--memory-shapes", default="qwen3-0.6b:16384")
@@ -581,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown section(s) {unknown}; choose from {sorted(SECTIONS)}")
+    try:
+        _parse_configs(args.gemm_configs)
+        _parse_gemv_configs(args.gemv_configs)
+    except ValueError as exc:
+        parser.error(str(exc))
     OUT.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     for name in args.sections.split(","):
