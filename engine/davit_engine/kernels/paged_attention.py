@@ -6,7 +6,7 @@ key/value load and a decode step still fills a 16-row matrix tile. Keys are gath
 through the block table, causally (a new token at absolute position p sees keys at positions
 <= p, the cached prefix included). For long contexts with few programs (decode at small batch)
 the key range is split over `num_splits` programs whose partial results a second kernel merges
-by their log-sum-exp.
+by their log-sum-exp (or, with `merge_in_kernel`, the last of them to finish: no second launch).
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
 widened exactly to fp16 with the hardware conversion (sm_89+: one instruction per pair of
@@ -96,6 +96,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -119,6 +120,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MERGE_LAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
@@ -225,15 +228,16 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         if FP8:
             result = result * v_scale
         store_mask = row_valid[:, None] & dim_valid[None, :]
+        o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
         if NUM_SPLITS == 1:
-            o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
             tl.store(
                 out_ptr + o_offs + dims[None, :],
                 result.to(out_ptr.dtype.element_ty),
                 mask=store_mask,
             )
         else:
-            part_row = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
+            first_part = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS
+            part_row = first_part + split
             tl.store(
                 part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
                 result,
@@ -241,6 +245,57 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+            if MERGE_LAST:
+                # The last of the NUM_SPLITS programs of this (request, query tile, KV head) to
+                # count itself merges them all. Every thread's stores precede the barrier, the
+                # barrier precedes the counting (one thread, release at GPU scope), and the
+                # merging program's acquire precedes its loads, which bypass L1.
+                tl.debug_barrier()
+                slot = counter_ptr + pid * NUM_KV_HEADS + kv_head
+                counted = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+                if counted == NUM_SPLITS - 1:
+                    tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # for the next launch
+                    merged = _merge_rows(
+                        part_out_ptr, part_lse_ptr, first_part, row_valid, dims, dim_valid,
+                        NUM_SPLITS, SPLITS_PAD, BLOCK_M, BLOCK_D,
+                    )  # fmt: skip
+                    tl.store(
+                        out_ptr + o_offs + dims[None, :],
+                        merged.to(out_ptr.dtype.element_ty),
+                        mask=store_mask,
+                    )
+
+
+@triton.jit
+def _merge_rows(  # type: ignore[no-untyped-def]
+    part_out_ptr, part_lse_ptr, first_part, row_valid, dims, dim_valid,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_D]: the rows' split results (partial outputs at `first_part + split`)
+    weighted by their log-sum-exp, as `_merge_splits_kernel` merges them (float32; the sum over
+    splits runs in split order)."""
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(
+        part_lse_ptr + first_part[:, None] + splits[None, :],
+        mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [BLOCK_M, SPLITS_PAD]
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe[:, None])
+    total = tl.sum(w, 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        part = tl.load(
+            part_out_ptr + (first_part + s)[:, None] * BLOCK_D + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += part * tl.sum(tl.where(splits[None, :] == s, w, 0.0), 1)[:, None]
+    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
 
 @triton.jit
@@ -297,6 +352,32 @@ _PIPELINED_MAX_SPLITS = 8
 # with a Hadamard tile 151 us (bench notes, run 22); this kernel is not timed at the cap yet.
 _FP8_DECODE_MAX_REGISTERS: int | None = 128
 MAX_SPLITS = 16
+# Whether split decodes merge in the attention kernel (the last split program of each request
+# and KV head merges, `merge_in_kernel`) instead of a second kernel. Off: not yet timed on a
+# GPU; a module switch so that a benchmark can run the engine both ways.
+MERGE_SPLITS_IN_KERNEL = False
+# Split counters of the in-kernel merge, per device: zeros between launches (the merging
+# program resets its own). Never freed: a captured CUDA graph keeps their address.
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 1 << 16
+
+
+def _split_counters(device: torch.device, size: int) -> torch.Tensor | None:
+    """At least `size` zeroed counters on `device`; None where they would have to be made
+    inside a CUDA graph capture (there the zeros would be written only when the graph is
+    replayed, not before an eager launch: the caller merges with the kernel instead). The V2
+    runner's eager warm-up at each graph size makes them before its capture."""
+    key = (device.type, device.index)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = torch.zeros(max(size, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
 
 
 def default_num_splits(
@@ -326,8 +407,14 @@ def paged_attention(
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
     queries_rotated: bool = False,
+    merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new tokens over its paged keys and values.
+
+    `merge_in_kernel` (None: `MERGE_SPLITS_IN_KERNEL`): with splits, the last program of each
+    request, query tile and KV head to finish merges the splits' results (a counter per such
+    triple, atomically incremented), so no second kernel runs; the same result as the merge
+    kernel up to the order of the float32 sum over splits.
 
     `queries_rotated`: `q` is already `q @ H` (an FP8 cache whose keys are stored rotated;
     `kernels.layer_ops.qk_norm_rope(..., rotate_queries=True)` makes it), so the kernel does
@@ -382,6 +469,10 @@ def paged_attention(
         block_n, num_stages = 64, 2
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_q_tiles = triton.cdiv(max_query_len, block_q)
+    counters = None
+    if num_splits > 1 and (MERGE_SPLITS_IN_KERNEL if merge_in_kernel is None else merge_in_kernel):
+        counters = _split_counters(q.device, num_requests * num_q_tiles * num_kv_heads)
+    merge_last = counters is not None
     if num_splits > 1:
         part_out = torch.empty(
             (num_tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
@@ -399,6 +490,7 @@ def paged_attention(
         out,
         part_out,
         part_lse,
+        counters if counters is not None else seq_lens,  # unused without the in-kernel merge
         block_tables,
         seq_lens,
         query_start_loc,
@@ -422,6 +514,8 @@ def paged_attention(
         BLOCK_D=block_d,
         PAGE=page,
         NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        MERGE_LAST=merge_last,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,
@@ -433,7 +527,7 @@ def paged_attention(
         **limits,
         **pdl_launch(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_last:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_out,
             part_lse,

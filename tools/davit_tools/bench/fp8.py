@@ -13,15 +13,17 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
   names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
   with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`;
-- `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128) and W2's
-  (B 1, context 1152, 32/8 x 128) over a bf16 and an FP8 cache (write included separately);
-  FP8 as the V2 runner launches it (queries rotated beforehand), with the kernel rotating the
-  queries itself (`fp8_q_tile`), and without the register cap (`fp8_uncapped`);
+- `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128), a W1
+  tail step's (B 64, context 1500, two splits) and W2's (B 1, context 1152, 32/8 x 128) over a
+  bf16 and an FP8 cache (write included separately); FP8 as the V2 runner launches it
+  (queries rotated beforehand), with the kernel rotating the queries itself (`fp8_q_tile`),
+  without the register cap (`fp8_uncapped`), and at split shapes with the splits merged in
+  the kernel (`bf16_merged`, `fp8_merged`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
   instead of in the gate/up product's, `fp8-both-prefetch` has the matrix-vector products
-  prefetch W), decode tok/s against each one's bandwidth floor, and
-  whether the greedy tokens agree;
+  prefetch W, `*-merge-in-kernel` merges split decodes in the attention kernel), decode tok/s
+  against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`);
@@ -299,18 +301,24 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     kv_bytes = batch * ctx * hkv * dim * 2
     # fp8: as the V2 runner launches it, the queries rotated by the rotary kernel beforehand;
     # fp8_q_tile: the kernel rotating them itself; fp8_uncapped: the first without its
-    # register cap (its timing does not depend on q's values)
-    timed = (
-        ("bf16", bf16, None, 2, False, True),
-        ("fp8", fp8, kv_scale, 1, True, True),
-        ("fp8_q_tile", fp8, kv_scale, 1, False, True),
-        ("fp8_uncapped", fp8, kv_scale, 1, True, False),
-    )
+    # register cap (its timing does not depend on q's values); *_merged: split results merged
+    # by the last split program instead of the merge kernel (split shapes only)
+    timed = [
+        ("bf16", bf16, None, 2, False, True, False),
+        ("fp8", fp8, kv_scale, 1, True, True, False),
+        ("fp8_q_tile", fp8, kv_scale, 1, False, True, False),
+        ("fp8_uncapped", fp8, kv_scale, 1, True, False, False),
+    ]
+    if splits > 1:
+        timed += [
+            ("bf16_merged", bf16, None, 2, False, True, True),
+            ("fp8_merged", fp8, kv_scale, 1, True, True, True),
+        ]
     cap = pa._FP8_DECODE_MAX_REGISTERS
-    for name, cache, scale, element, rotated, capped in timed:
+    for name, cache, scale, element, rotated, capped, merged in timed:
         attend = functools.partial(
             pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale,
-            queries_rotated=rotated,
+            queries_rotated=rotated, merge_in_kernel=merged,
         )  # fmt: skip
         pa._FP8_DECODE_MAX_REGISTERS = cap if capped else None
         try:
@@ -332,7 +340,12 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
 
 
 def section_attention(args: argparse.Namespace) -> None:
-    for label, batch, ctx, hq, hkv in (("w1", 256, 840, 16, 8), ("w2", 1, 1152, 32, 8)):
+    shapes = (
+        ("w1", 256, 840, 16, 8),
+        ("w1_tail", 64, 1500, 16, 8),  # a step of W1's last requests: two splits
+        ("w2", 1, 1152, 32, 8),
+    )
+    for label, batch, ctx, hq, hkv in shapes:
         record("attention", **_attention_shape(label, batch, ctx, hq, hkv))
         torch.cuda.empty_cache()
 
@@ -365,6 +378,20 @@ VARIANTS = {
     "fp8-both-prefetch": Variant(
         "fp8-both-prefetch", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PREFETCH_W", True),)
     ),
+    # split decodes merged by their last split program instead of the merge kernel
+    **{
+        f"{base}-merge-in-kernel": Variant(
+            f"{base}-merge-in-kernel",
+            quantization,
+            kv_dtype,
+            (("davit_engine.kernels.paged_attention", "MERGE_SPLITS_IN_KERNEL", True),),
+        )
+        for base, quantization, kv_dtype in (
+            ("bf16", None, "auto"),
+            ("fp8-kv", None, "fp8"),
+            ("fp8-both", "fp8", "fp8"),
+        )
+    },
 }
 
 
