@@ -357,7 +357,9 @@ MAX_SPLITS = 16
 # GPU; a module switch so that a benchmark can run the engine both ways.
 MERGE_SPLITS_IN_KERNEL = False
 # Split counters of the in-kernel merge, per device: zeros between launches (the merging
-# program resets its own). Never freed: a captured CUDA graph keeps their address.
+# program resets its own). Never freed: a captured CUDA graph keeps their address. One set per
+# device, so split launches with the in-kernel merge must not run on two streams of a device at
+# once (the engine runs its models on one stream).
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []
 _MIN_COUNTERS = 1 << 16
