@@ -25,6 +25,7 @@ of being widened, staged through shared memory as fp16 and read back transposed.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -122,6 +123,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     MERGE_LAST: tl.constexpr,
+    GPU_FENCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
@@ -247,9 +249,11 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
             if MERGE_LAST:
                 # The last of the NUM_SPLITS programs of this (request, query tile, KV head) to
-                # count itself merges them all. Every thread's stores precede the barrier, the
-                # barrier precedes the counting (one thread, release at GPU scope), and the
-                # merging program's acquire precedes its loads, which bypass L1.
+                # count itself merges them all. Every thread fences its stores at GPU scope
+                # before the barrier, the barrier precedes the counting (one thread, acquire-
+                # release at GPU scope), and the merging program's loads bypass L1.
+                if GPU_FENCE:
+                    _fence_gpu(slot_dummy=pid)
                 tl.debug_barrier()
                 slot = counter_ptr + pid * NUM_KV_HEADS + kv_head
                 counted = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
@@ -264,6 +268,17 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                         merged.to(out_ptr.dtype.element_ty),
                         mask=store_mask,
                     )
+
+
+@triton.jit
+def _fence_gpu(slot_dummy):  # type: ignore[no-untyped-def]
+    """`fence.acq_rel.gpu` in every thread (CUDA's __threadfence): the thread's earlier stores
+    are visible GPU-wide before anything it does after. (An inline-asm statement needs an
+    operand: `slot_dummy`, any scalar, is passed through unused.)"""
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [slot_dummy], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -363,6 +378,10 @@ MERGE_SPLITS_IN_KERNEL = False
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []
 _MIN_COUNTERS = 1 << 16
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _split_counters(device: torch.device, size: int) -> torch.Tensor | None:
@@ -518,6 +537,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         MERGE_LAST=merge_last,
+        GPU_FENCE=merge_last and q.device.type == "cuda" and not _interpreted(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,
