@@ -43,8 +43,8 @@ class GemvConfig:
     """Tile and launch options of `fp8_gemv`. `split_k` 0: chosen from the shape and the GPU's
     multiprocessor count (`default_split_k`). `prefetch`: each program first sends its slice of
     W towards L2 (bulk prefetches, before it waits for the kernel before it); only where
-    programmatic dependent launch is on (sm_90+, `kernels/pdl.py`) and K is a multiple of 16,
-    ignored elsewhere."""
+    programmatic dependent launch is on (sm_90+, `kernels/pdl.py`) and W's rows start on 16
+    bytes and are a multiple of 16 bytes long, ignored elsewhere."""
 
     block_n: int
     block_k: int
@@ -292,6 +292,12 @@ def _finish_splits(  # type: ignore[no-untyped-def]
     return out
 
 
+def _bulk_aligned(weight: torch.Tensor) -> bool:
+    """Whether every row of W starts on 16 bytes and is a multiple of 16 bytes long, as a bulk
+    prefetch needs (a weight viewed at an odd offset of a larger buffer is not)."""
+    return weight.shape[1] % 16 == 0 and weight.data_ptr() % 16 == 0
+
+
 def fp8_gemv(
     x: torch.Tensor,  # [M, K], rows contiguous, M small (see MAX_ROWS)
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
@@ -338,7 +344,7 @@ def fp8_gemv(
         num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
-        PREFETCH=cfg.prefetch and k % 16 == 0 and pdl_enabled(x.device),
+        PREFETCH=cfg.prefetch and _bulk_aligned(weight) and pdl_enabled(x.device),
         num_warps=cfg.num_warps, num_stages=1, **launch,
     )  # fmt: skip
     if split_k > 1:

@@ -229,3 +229,20 @@ def test_prefetch_changes_no_value_at_real_shapes(
     monkeypatch.setattr(fp8_gemv, "PREFETCH_W", True)
     assert torch.equal(gemv(x, weight, scale), plain)
     assert torch.equal(gemv(x, weight, scale, gated=True), plain_gated)
+
+
+@pytest.mark.gpu
+def test_prefetch_skips_a_weight_not_on_16_bytes(device: torch.device) -> None:
+    """A weight viewed 8 bytes into a buffer cannot be bulk-prefetched: the product runs
+    without the prefetch (no misaligned access) and gives the same bytes."""
+    torch.manual_seed(14)
+    n, k = 64, 512
+    weight, scale = _weights(n, k, device)
+    buffer = torch.empty(n * k + 8, dtype=weight.dtype, device=device)
+    shifted = buffer[8:].view(n, k)
+    shifted.copy_(weight)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 8
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    cfg = GemvConfig(block_n=8, block_k=128, num_warps=4, prefetch=True)
+    assert torch.equal(gemv(x, shifted, scale, config=cfg), gemv(x, weight, scale, config=cfg))
+    torch.cuda.synchronize()
