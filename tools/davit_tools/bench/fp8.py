@@ -12,7 +12,9 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
   names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
-  with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`;
+  with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`; at one
+  row an RMSNorm then the engine's product, W prefetched during the norm or not
+  (`after_norm_prefetch_us`, `after_norm_us`; `norm_alone_us`);
 - `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128), a W1
   tail step's (B 64, context 1500, two splits) and W2's (B 1, context 1152, 32/8 x 128) over a
   bf16 and an FP8 cache (write included separately); FP8 as the V2 runner launches it
@@ -245,6 +247,23 @@ def _gemm_rows(
         row["act_separate_us"] = round(graph_us(cycled(separate), 20), 2)
         row["act_gated_us"] = round(graph_us(cycled(gated), 20), 2)
         row["act_gated_equal"] = bool(torch.equal(gated(0), separate(0)))
+    if rows == 1:  # after a short kernel, as in a decode step: W prefetched during it or not
+        from davit_engine.kernels.layer_ops import rms_norm
+
+        norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+        def chain(cfg: Any) -> Callable[[int], torch.Tensor]:
+            def run(i: int) -> torch.Tensor:
+                return fp8_gemv.fp8_gemv(rms_norm(x, norm_weight, 1e-6), fp8[i], scales[i],
+                                         config=cfg)  # fmt: skip
+
+            return run
+
+        plain = fp8_gemv.default_config(1, n, x.device)
+        row["after_norm_us"] = round(graph_us(cycled(chain(plain)), 20), 2)
+        prefetched = dataclasses.replace(plain, prefetch=True)
+        row["after_norm_prefetch_us"] = round(graph_us(cycled(chain(prefetched)), 20), 2)
+        row["norm_alone_us"] = round(graph_us(lambda: rms_norm(x, norm_weight, 1e-6), 20), 2)
     if weight_only:
         best = min(weight_only, key=lambda key: weight_only[key])
         row["best"] = best
