@@ -126,3 +126,36 @@ def test_variant_switches_name_existing_engine_attributes() -> None:
     for module_name, attribute, value in switches:
         current = getattr(importlib.import_module(module_name), attribute)
         assert type(current) is type(value) and current != value
+
+
+def test_kernel_rows_are_built_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gemm and attention sections' rows at tiny shapes on the CPU (Triton's interpreter),
+    each timing replaced by one call: every field the GPU call records is there, the epilogue
+    activation equals the separate kernel, and no variant reports an error."""
+    import torch
+
+    from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
+    from davit_tools.bench import timing
+
+    def once(fn: Any, replays: int) -> float:
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(timing, "graph_us", once)
+    torch.manual_seed(0)
+    bf16 = [torch.randn(32, 256, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+    scales = [w.float().abs().amax(dim=1) / FP8_MAX for w in bf16]
+    weights = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
+    gemv = fp8._parse_gemv_configs("8/128/4/0;8/128/4/0/p")
+    row = fp8._gemm_rows("gate_up", bf16, weights, scales, 1, [], gemv)
+    for key in ("bf16_us", "default_us", "gemv_8x128w4sauto_us", "gemv_8x128w4sautop_us",
+                "act_separate_us", "act_gated_us", "after_norm_us", "after_norm_prefetch_us",
+                "norm_alone_us", "best"):  # fmt: skip
+        assert key in row, key
+    assert row["act_gated_equal"] is True
+    assert not [key for key in row if key.endswith("_error")]
+    row = fp8._attention_shape("tiny", 2, 40, 4, 2, device="cpu", splits=2)
+    for key in ("bf16_us", "fp8_us", "fp8_q_tile_us", "fp8_uncapped_us", "bf16_merged_us",
+                "fp8_merged_us", "speedup", "write_fp8_us", "write_bf16_us"):  # fmt: skip
+        assert key in row, key
+    assert row["splits"] == 2

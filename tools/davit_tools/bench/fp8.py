@@ -194,7 +194,7 @@ def _gemm_rows(
 
     n, k = fp8[0].shape
     copies = len(fp8)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device=fp8[0].device, dtype=torch.bfloat16)
     turn = [0]
 
     def cycled(fn: Callable[[int], Any]) -> Callable[[], Any]:
@@ -250,7 +250,7 @@ def _gemm_rows(
     if rows == 1:  # after a short kernel, as in a decode step: W prefetched during it or not
         from davit_engine.kernels.layer_ops import rms_norm
 
-        norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        norm_weight = torch.ones(k, device=x.device, dtype=torch.bfloat16)
 
         def chain(cfg: Any) -> Callable[[int], torch.Tensor]:
             def run(i: int) -> torch.Tensor:
@@ -296,7 +296,10 @@ def section_gemm(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dict[str, Any]:
+def _attention_shape(
+    label: str, batch: int, ctx: int, hq: int, hkv: int, device: str = "cuda",
+    splits: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     from davit_engine.kernels import paged_attention as pa
     from davit_engine.kernels.kv_cache import write_kv
     from davit_tools.bench.timing import graph_us
@@ -304,15 +307,15 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
     page, dim = 16, 128
     blocks_per = -(-ctx // page)
     num_blocks = batch * blocks_per
-    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
-    splits = pa.default_num_splits(batch, hkv, ctx, q.device)
-    bf16 = torch.randn(2, num_blocks, page, hkv, dim, device="cuda", dtype=torch.bfloat16)
-    kv_scale = torch.full((2, hkv), 4.0 / 448, device="cuda")
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, dim, device=device, dtype=torch.bfloat16)
+    splits = splits or pa.default_num_splits(batch, hkv, ctx, q.device)
+    bf16 = torch.randn(2, num_blocks, page, hkv, dim, device=device, dtype=torch.bfloat16)
+    kv_scale = torch.full((2, hkv), 4.0 / 448, device=device)
     fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)
-    slots = torch.arange(num_blocks * page, device="cuda")
+    slots = torch.arange(num_blocks * page, device=device)
     flat = bf16.view(2, -1, hkv, dim)
     write_kv(flat[0], flat[1], fp8, slots, kv_scale)
     row: dict[str, Any] = {"shape": label, "batch": batch, "context": ctx,
@@ -348,7 +351,7 @@ def _attention_shape(label: str, batch: int, ctx: int, hq: int, hkv: int) -> dic
         row[f"{name}_tb_s"] = round(kv_bytes * element / us / 1e6, 3)
     row["fp8_register_cap"] = cap
     row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
-    k_new = torch.randn(batch, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(batch, hkv, dim, device=device, dtype=torch.bfloat16)
     row["write_fp8_us"] = round(
         graph_us(lambda: write_kv(k_new, k_new, fp8, slots[:batch], kv_scale), 20), 2
     )
