@@ -74,12 +74,17 @@ MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
-# Whether the default configs prefetch W (GemvConfig.prefetch). Off: not yet timed on a GPU;
-# a module switch so that a benchmark can run the engine both ways.
-PREFETCH_W = False
+# The default configs prefetch W (GemvConfig.prefetch) for weights of at most this many bytes
+# (0: none; the small projections, qkv and o, are the ones whose launch ramp is a large share).
+# 0: not yet timed on a GPU; a module switch so that a benchmark can run the engine each way.
+PREFETCH_MAX_BYTES = 0
 
 
-def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
+def default_config(
+    num_rows: int, n: int, device: torch.device, weight_bytes: int | None = None
+) -> GemvConfig:
+    """The tile for `num_rows` rows and `n` rows of W (`weight_bytes`: W's size, for the
+    prefetch choice; None: no prefetch)."""
     if num_rows > 1:
         cfg = FEW_ROWS_CONFIG
     elif triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= (
@@ -88,7 +93,9 @@ def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
         cfg = ONE_ROW_CONFIG
     else:
         cfg = ONE_ROW_NARROW_CONFIG
-    return replace(cfg, prefetch=True) if PREFETCH_W else cfg
+    if weight_bytes is not None and 0 < weight_bytes <= PREFETCH_MAX_BYTES:
+        return replace(cfg, prefetch=True)
+    return cfg
 
 
 @functools.cache
@@ -324,7 +331,7 @@ def fp8_gemv(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    cfg = config or default_config(num_rows, n_w, x.device)
+    cfg = config or default_config(num_rows, n_w, x.device, weight.numel())
     if gated and cfg.block_n < 2:
         raise ValueError(f"gated: config.block_n must be at least 2 (got {cfg.block_n})")
     rows_per_program = min(triton.next_power_of_2(num_rows), ROWS_PER_PROGRAM)

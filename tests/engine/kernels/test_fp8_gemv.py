@@ -189,13 +189,16 @@ def test_gated_gemv_real_shapes(device: torch.device, rows: int, inter: int, k: 
     assert _rel_err(out, expected) < 8e-3
 
 
-def test_default_configs_prefetch_where_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_configs_prefetch_up_to_the_switch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cpu")  # the interpreter's stand-in
-    assert not any(fp8_gemv.default_config(r, n, gpu).prefetch for r in (1, 3) for n in (8, 4096))
-    monkeypatch.setattr(fp8_gemv, "PREFETCH_W", True)
+    sizes = [(r, n) for r in (1, 3) for n in (8, 4096)]
+    assert not any(fp8_gemv.default_config(r, n, gpu, n * 64).prefetch for r, n in sizes)
+    monkeypatch.setattr(fp8_gemv, "PREFETCH_MAX_BYTES", 4096 * 64)
     for rows, n in ((1, 4096), (1, 120), (3, 4096)):
-        cfg = fp8_gemv.default_config(rows, n, gpu)
+        cfg = fp8_gemv.default_config(rows, n, gpu, n * 64)
         assert cfg.prefetch and cfg.label.endswith("p")
+    assert not fp8_gemv.default_config(1, 4096, gpu, 4096 * 64 + 1).prefetch  # larger W
+    assert not fp8_gemv.default_config(1, 4096, gpu).prefetch  # size not given
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -226,7 +229,8 @@ def test_prefetch_changes_no_value_at_real_shapes(
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     plain = gemv(x, weight, scale)
     plain_gated = gemv(x, weight, scale, gated=True)
-    monkeypatch.setattr(fp8_gemv, "PREFETCH_W", True)
+    monkeypatch.setattr(fp8_gemv, "PREFETCH_MAX_BYTES", 1 << 40)
+    assert fp8_gemv.default_config(1, n, device, n * k).prefetch
     assert torch.equal(gemv(x, weight, scale), plain)
     assert torch.equal(gemv(x, weight, scale, gated=True), plain_gated)
 

@@ -24,7 +24,7 @@ Sections (each runs on its own; a failing one is reported and the next runs):
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
   instead of in the gate/up product's, `fp8-both-prefetch` has the matrix-vector products
-  prefetch W, `*-merge-in-kernel` merges split decodes in the attention kernel), decode tok/s
+  prefetch W (`-small`: qkv and o only), `*-merge-in-kernel` merges split decodes in the attention kernel), decode tok/s
   against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
@@ -396,9 +396,19 @@ VARIANTS = {
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "FUSE_FP8_GATE_ACTIVATION", False),),
     ),  # fmt: skip
-    # the matrix-vector products prefetch W towards L2 before waiting on the kernel before
+    # the matrix-vector products prefetch W towards L2 before waiting on the kernel before:
+    # every projection, or the small ones (qkv and o of the Llama-3.1-8B shape, <= 32 MiB)
     "fp8-both-prefetch": Variant(
-        "fp8-both-prefetch", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PREFETCH_W", True),)
+        "fp8-both-prefetch",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.fp8_gemv", "PREFETCH_MAX_BYTES", 1 << 62),),
+    ),
+    "fp8-both-prefetch-small": Variant(
+        "fp8-both-prefetch-small",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.fp8_gemv", "PREFETCH_MAX_BYTES", 32 << 20),),
     ),
     # split decodes merged by their last split program instead of the merge kernel
     **{
