@@ -99,6 +99,7 @@ TEST_PATHS = (
     "tests/engine/quant/test_fp8_linear.py",
     "tests/engine/quant/test_fp8_kv_engine.py",
     "tests/engine/runner/v2/test_fused_layers.py",
+    "tests/engine/runner/v2/test_graph_logits.py",
 )
 
 
