@@ -154,8 +154,9 @@ def test_kernel_rows_are_built_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
         assert key in row, key
     assert row["act_gated_equal"] is True
     assert not [key for key in row if key.endswith("_error")]
-    row = fp8._attention_shape("tiny", 2, 40, 4, 2, device="cpu", splits=2)
+    row = fp8._attention_shape("tiny", 2, 40, 4, 2, device="cpu", splits=2, sweep_splits=(3,))
     for key in ("bf16_us", "fp8_us", "fp8_q_tile_us", "fp8_uncapped_us", "bf16_merged_us",
-                "fp8_merged_us", "speedup", "write_fp8_us", "write_bf16_us"):  # fmt: skip
+                "fp8_merged_us", "speedup", "write_fp8_us", "write_bf16_us", "bf16_s3_us",
+                "fp8_s3_us"):  # fmt: skip
         assert key in row, key
     assert row["splits"] == 2

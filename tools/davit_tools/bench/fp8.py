@@ -20,7 +20,7 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   bf16 and an FP8 cache (write included separately); FP8 as the V2 runner launches it
   (queries rotated beforehand), with the kernel rotating the queries itself (`fp8_q_tile`),
   without the register cap (`fp8_uncapped`), and at split shapes with the splits merged in
-  the kernel (`bf16_merged`, `fp8_merged`);
+  the kernel (`bf16_merged`, `fp8_merged`) and at other split counts (`*_s{N}`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
   instead of in the gate/up product's, `fp8-both-prefetch` has the matrix-vector products
@@ -299,7 +299,7 @@ def section_gemm(args: argparse.Namespace) -> None:
 
 def _attention_shape(
     label: str, batch: int, ctx: int, hq: int, hkv: int, device: str = "cuda",
-    splits: int | None = None,
+    splits: int | None = None, sweep_splits: tuple[int, ...] = (),
 ) -> dict[str, Any]:  # fmt: skip
     from davit_engine.kernels import paged_attention as pa
     from davit_engine.kernels.kv_cache import write_kv
@@ -352,6 +352,18 @@ def _attention_shape(
         row[f"{name}_tb_s"] = round(kv_bytes * element / us / 1e6, 3)
     row["fp8_register_cap"] = cap
     row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+    # other split counts than the engine's at split shapes (the key tiles are what a split
+    # owns: W2's 1,152 keys are 18 FP8 tiles, which 16 splits cover with 9 programs of two)
+    for other in sweep_splits if splits > 1 else ():
+        for name, cache, scale, rotated in (
+            ("bf16", bf16, None, False),
+            ("fp8", fp8, kv_scale, True),
+        ):
+            attend = functools.partial(
+                pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, other,
+                kv_scale=scale, queries_rotated=rotated,
+            )  # fmt: skip
+            row[f"{name}_s{other}_us"] = round(graph_us(attend, 20), 2)
     k_new = torch.randn(batch, hkv, dim, device=device, dtype=torch.bfloat16)
     row["write_fp8_us"] = round(
         graph_us(lambda: write_kv(k_new, k_new, fp8, slots[:batch], kv_scale), 20), 2
@@ -364,12 +376,12 @@ def _attention_shape(
 
 def section_attention(args: argparse.Namespace) -> None:
     shapes = (
-        ("w1", 256, 840, 16, 8),
-        ("w1_tail", 64, 1500, 16, 8),  # a step of W1's last requests: two splits
-        ("w2", 1, 1152, 32, 8),
+        ("w1", 256, 840, 16, 8, ()),
+        ("w1_tail", 64, 1500, 16, 8, (4,)),  # a step of W1's last requests: two splits
+        ("w2", 1, 1152, 32, 8, (8, 24, 32)),
     )
-    for label, batch, ctx, hq, hkv in shapes:
-        record("attention", **_attention_shape(label, batch, ctx, hq, hkv))
+    for label, batch, ctx, hq, hkv, sweep in shapes:
+        record("attention", **_attention_shape(label, batch, ctx, hq, hkv, sweep_splits=sweep))
         torch.cuda.empty_cache()
 
 
