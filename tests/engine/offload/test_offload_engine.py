@@ -414,3 +414,50 @@ def test_a_queued_load_lets_its_request_join_the_next_step(
     assert tiers.stats()[0].load_bytes == 6 * TINY_BLOCK_BYTES
     monkeypatch.setattr(tiers.mover, "is_async", False)  # no device to synchronize at shutdown
     core.shutdown()
+
+
+FP8_BLOCK_BYTES = TINY_BLOCK_BYTES // 4  # one byte per element instead of four
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_an_fp8_cache_goes_through_the_tiers(tmp_path: Path, tier: str) -> None:
+    """An FP8 KV cache's blocks (keys rotated, values key-minor) offloaded and loaded back:
+    the tokens of an FP8 engine that kept them, one byte per element moved."""
+    reference = make_core(gpu_blocks=64, kv_cache_dtype="fp8")
+    core = make_core(
+        gpu_blocks=12,
+        cpu_blocks=64 if tier == "cpu" else 0,
+        disk=tmp_path if tier == "disk" else None,
+        kv_cache_dtype="fp8",
+    )
+    prefix = prompt_of(1, 6 * BS)
+    run(core, [*prefix, 3], "first")
+    run(core, prompt_of(2, 180), "evicts")  # 12 blocks: the prefix leaves the GPU cache
+    computed = core.runner.num_computed_tokens_total  # type: ignore[attr-defined]
+    question = [*prefix, 9, 8, 7]
+    assert run(core, question, "back", max_tokens=8) == run(reference, question, "ref", 8)
+    assert core.runner.num_computed_tokens_total - computed == 3 + 7  # type: ignore[attr-defined]
+    loaded = {s.tier: s.load_bytes for s in tiers_of(core).stats()}
+    assert loaded[tier] == 6 * FP8_BLOCK_BYTES
+    core.shutdown()
+    reference.shutdown()
+
+
+def test_a_disk_tier_serves_only_engines_of_its_kv_dtype(tmp_path: Path) -> None:
+    """Blocks written by an engine with a float32 cache are not read into an FP8 cache (other
+    bytes per block: a miss, the prefix is computed again), and still serve a float32
+    engine afterwards."""
+    core = make_core(gpu_blocks=12, disk=tmp_path)
+    prefix = prompt_of(1, 6 * BS)
+    run(core, [*prefix, 3], "first")
+    tiers_of(core).drain()
+    core.shutdown()
+    question = [*prefix, 9, 8, 7]
+    for dtype, loaded_bytes in (("fp8", 0), ("auto", 6 * TINY_BLOCK_BYTES)):
+        reference = make_core(gpu_blocks=64, kv_cache_dtype=dtype)
+        core = make_core(gpu_blocks=12, disk=tmp_path, kv_cache_dtype=dtype)
+        assert run(core, question, "back", 8) == run(reference, question, "ref", 8), dtype
+        loaded = {s.tier: s.load_bytes for s in tiers_of(core).stats()}
+        assert loaded["disk"] == loaded_bytes, dtype
+        core.shutdown()
+        reference.shutdown()
