@@ -255,3 +255,30 @@ def test_aborts_while_verifying_free_every_block_with_the_real_runner() -> None:
             assert tokens == expected[name][: len(tokens)]
         else:
             assert tokens == expected[name]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": "random:qwen3-tiny"},
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_speculative_greedy_with_an_fp8_kv_cache_matches_plain_decoding(
+    spec: dict[str, Any],
+) -> None:
+    """With an FP8 KV cache speculative decoding still gives exactly the tokens of plain
+    decoding over an FP8 cache, and drafts are accepted. A draft model keeps its own cache in
+    the model dtype (its bytes are counted as such)."""
+    config = _config("random:qwen3-tiny", spec, kv_cache_dtype="fp8", seed=3)
+    requests = _repetitive_requests(GREEDY, [9, 30, 17, 40, 12])
+    expected = _v1_outputs(config, requests)
+    runner = RunnerV2(config, load_model(config, DEVICE), DEVICE)
+    outputs, scheduler = _run(runner, config, requests)
+    assert outputs == expected
+    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    if runner.draft is not None:
+        assert runner.draft.kv_caches[0].dtype == torch.float32
+    stats = scheduler.spec_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
