@@ -282,3 +282,22 @@ def test_speculative_greedy_with_an_fp8_kv_cache_matches_plain_decoding(
         assert runner.draft.kv_caches[0].dtype == torch.float32
     stats = scheduler.spec_stats
     assert stats is not None and stats.num_accepted_tokens > 0
+
+
+def test_speculative_greedy_with_fp8_weights_matches_plain_decoding_at_one_product_path() -> None:
+    """FP8 weights: the product is weight-only up to 16 rows and quantizes the activations per
+    token beyond (docs/fp8.md), so a token's logits depend on how many rows its step had. With
+    every step at most 16 rows (the token budget) both runs take the weight-only path, and a
+    draft model gives exactly the tokens of plain decoding."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": "random:qwen3-tiny"}
+    config = _config("random:qwen3-tiny", spec, quantization="fp8", kv_cache_dtype="fp8",
+                     seed=3, max_num_batched_tokens=16)  # fmt: skip
+    requests = _repetitive_requests(GREEDY, [9, 30, 17, 40, 12])
+    expected = _v1_outputs(config, requests)
+    runner = RunnerV2(config, load_model(config, DEVICE), DEVICE)
+    assert runner.draft is not None
+    assert type(runner.draft.model.model.layers[0].mlp.gate_up_proj).__name__ == "Fp8Linear"
+    outputs, scheduler = _run(runner, config, requests)
+    assert outputs == expected
+    stats = scheduler.spec_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
