@@ -149,16 +149,8 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     if PREFETCH:  # W does not depend on the kernel before: start it towards L2 before waiting
         _prefetch_rows(w_ptr, pid_n, split, N, K, k_per_split, BLOCK_N, GATED)
     gdc_enter(USE_GDC)
-    # The tile's BLOCK_N rows of W. GATED: N output columns from 2N rows of W ([gate | up]),
-    # each column's gate row and up row side by side in the tile, BLOCK_N // 2 columns.
-    lanes = tl.arange(0, BLOCK_N)
-    cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
+    cols, w_row = _tile_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)
     col_valid = cols < N
-    # Out-of-range columns read the last row of W (no mask: the loads stay 16 bytes wide) and
-    # are never stored.
-    w_row = tl.minimum(cols, N - 1)
-    if GATED:
-        w_row += (lanes % 2) * N
     w_rows = w_ptr + w_row.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
     ks = tl.arange(0, BLOCK_K)
     k_begin = split * k_per_split
@@ -217,6 +209,20 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
         tl.store(dst, total, mask=store_mask)
 
 
+@triton.jit
+def _tile_rows(pid_n, lane, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(output column, row of W) of lane `lane` of program `pid_n`'s tile (a lane index or
+    a tensor of them). GATED: N output columns from 2N rows of W ([gate | up]), each column's
+    gate row and up row side by side in the tile, BLOCK_N // 2 columns. Out-of-range columns
+    read the last row of W (no mask: the loads stay 16 bytes wide) and are never stored."""
+    if GATED:
+        col = pid_n * (BLOCK_N // 2) + lane // 2
+        return col, tl.minimum(col, N - 1) + (lane % 2) * N
+    else:
+        col = pid_n * BLOCK_N + lane
+        return col, tl.minimum(col, N - 1)
+
+
 _PREFETCH_CHUNK = tl.constexpr(4096)  # bytes per bulk prefetch instruction
 
 
@@ -230,10 +236,7 @@ def _prefetch_rows(  # type: ignore[no-untyped-def]
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for r in tl.static_range(BLOCK_N):
-        if GATED:
-            row = tl.minimum(pid_n * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
-        else:
-            row = tl.minimum(pid_n * BLOCK_N + r, N - 1)
+        _, row = _tile_rows(pid_n, r, N, BLOCK_N, GATED)
         base = w_ptr + row.to(tl.int64) * K
         for k0 in range(k_begin, k_end, _PREFETCH_CHUNK):
             size = tl.minimum(k_end - k0, _PREFETCH_CHUNK)

@@ -25,12 +25,12 @@ of being widened, staged through shared memory as fp16 and read back transposed.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
@@ -380,10 +380,6 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []
 _MIN_COUNTERS = 1 << 16
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _split_counters(device: torch.device, size: int) -> torch.Tensor | None:
     """At least `size` zeroed counters on `device`; None where they would have to be made
     inside a CUDA graph capture (there the zeros would be written only when the graph is
@@ -537,7 +533,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         MERGE_LAST=merge_last,
-        GPU_FENCE=merge_last and q.device.type == "cuda" and not _interpreted(),
+        GPU_FENCE=merge_last and q.device.type == "cuda" and not interpreted(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,

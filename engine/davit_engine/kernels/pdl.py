@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels import interpreted
+
 PDL_ENV = "DAVIT_PDL"
 
 try:  # present in the Triton releases the engine supports on Hopper; absent: PDL stays off
@@ -53,7 +55,7 @@ def _options(device_type: str, device_index: int | None) -> Mapping[str, Any]:
     enabled = (
         _HAVE_GDC
         and device_type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not interpreted()
         and os.environ.get(PDL_ENV, "1") != "0"
     )
     if enabled:

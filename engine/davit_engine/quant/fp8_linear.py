@@ -103,11 +103,14 @@ class Fp8Linear(nn.Module):
             f"bias={self.bias is not None}, weight=float8_e4m3fn per-channel"
         )
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as rows [M, K] with contiguous columns, as the kernels take them."""
+        flat = x.reshape(-1, self.in_features)
+        return flat if flat.stride(1) == 1 else flat.contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = self._rows(x)
         if flat.device.type == "cuda":
             out = self._forward_cuda(flat)
         else:
@@ -121,9 +124,7 @@ class Fp8Linear(nn.Module):
         same numbers as the product followed by `layer_ops.silu_mul`, one kernel and no
         [rows, N] intermediate; elsewhere the two run one after the other (Triton kernels:
         a GPU, or the CPU under Triton's interpreter)."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = self._rows(x)
         rows = flat.shape[0]
         if flat.device.type == "cuda" and rows <= min(fp8_gemv.MAX_ROWS, self.weight_only_max_rows):
             out = fp8_gemv.fp8_gemv(flat, self.weight, self.weight_scale, self.bias, gated=True)

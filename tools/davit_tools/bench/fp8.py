@@ -237,34 +237,9 @@ def _gemm_rows(
         except Exception as exc:  # a tile that does not compile here: report, go on
             row[label + "_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     if name == "gate_up" and rows <= fp8_gemv.MAX_ROWS:  # SiLU x up: in the epilogue or not
-        from davit_engine.kernels.layer_ops import silu_mul
-
-        def separate(i: int) -> torch.Tensor:
-            return silu_mul(fp8_gemv.fp8_gemv(x, fp8[i], scales[i]))
-
-        def gated(i: int) -> torch.Tensor:
-            return fp8_gemv.fp8_gemv(x, fp8[i], scales[i], gated=True)
-
-        row["act_separate_us"] = round(graph_us(cycled(separate), 20), 2)
-        row["act_gated_us"] = round(graph_us(cycled(gated), 20), 2)
-        row["act_gated_equal"] = bool(torch.equal(gated(0), separate(0)))
+        row.update(_activation_timings(x, fp8, scales, cycled))
     if rows == 1:  # after a short kernel, as in a decode step: W prefetched during it or not
-        from davit_engine.kernels.layer_ops import rms_norm
-
-        norm_weight = torch.ones(k, device=x.device, dtype=torch.bfloat16)
-
-        def chain(cfg: Any) -> Callable[[int], torch.Tensor]:
-            def run(i: int) -> torch.Tensor:
-                return fp8_gemv.fp8_gemv(rms_norm(x, norm_weight, 1e-6), fp8[i], scales[i],
-                                         config=cfg)  # fmt: skip
-
-            return run
-
-        plain = fp8_gemv.default_config(1, n, x.device)
-        row["after_norm_us"] = round(graph_us(cycled(chain(plain)), 20), 2)
-        prefetched = dataclasses.replace(plain, prefetch=True)
-        row["after_norm_prefetch_us"] = round(graph_us(cycled(chain(prefetched)), 20), 2)
-        row["norm_alone_us"] = round(graph_us(lambda: rms_norm(x, norm_weight, 1e-6), 20), 2)
+        row.update(_after_norm_timings(x, fp8, scales, cycled))
     if weight_only:
         best = min(weight_only, key=lambda key: weight_only[key])
         row["best"] = best
@@ -275,6 +250,53 @@ def _gemm_rows(
     except Exception as exc:
         row["scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     return row
+
+
+def _activation_timings(
+    x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor],
+    cycled: Callable[[Callable[[int], Any]], Callable[[], Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """A gate/up product with SiLU x up in its epilogue against the product then `silu_mul`."""
+    from davit_engine.kernels.fp8_gemv import fp8_gemv
+    from davit_engine.kernels.layer_ops import silu_mul
+    from davit_tools.bench.timing import graph_us
+
+    def separate(i: int) -> torch.Tensor:
+        return silu_mul(fp8_gemv(x, fp8[i], scales[i]))
+
+    def gated(i: int) -> torch.Tensor:
+        return fp8_gemv(x, fp8[i], scales[i], gated=True)
+
+    return {
+        "act_separate_us": round(graph_us(cycled(separate), 20), 2),
+        "act_gated_us": round(graph_us(cycled(gated), 20), 2),
+        "act_gated_equal": bool(torch.equal(gated(0), separate(0))),
+    }
+
+
+def _after_norm_timings(
+    x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor],
+    cycled: Callable[[Callable[[int], Any]], Callable[[], Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """An RMSNorm then the engine's one-row product, W prefetched during the norm or not."""
+    from davit_engine.kernels.fp8_gemv import default_config, fp8_gemv
+    from davit_engine.kernels.layer_ops import rms_norm
+    from davit_tools.bench.timing import graph_us
+
+    norm_weight = torch.ones(x.shape[1], device=x.device, dtype=torch.bfloat16)
+
+    def run(cfg: Any, i: int) -> torch.Tensor:
+        return fp8_gemv(rms_norm(x, norm_weight, 1e-6), fp8[i], scales[i], config=cfg)
+
+    plain = default_config(1, fp8[0].shape[0], x.device)
+    prefetched = dataclasses.replace(plain, prefetch=True)
+    return {
+        "after_norm_us": round(graph_us(cycled(functools.partial(run, plain)), 20), 2),
+        "after_norm_prefetch_us": round(
+            graph_us(cycled(functools.partial(run, prefetched)), 20), 2
+        ),
+        "norm_alone_us": round(graph_us(lambda: rms_norm(x, norm_weight, 1e-6), 20), 2),
+    }
 
 
 def section_gemm(args: argparse.Namespace) -> None:
@@ -337,15 +359,17 @@ def _attention_shape(
             ("bf16_merged", bf16, None, 2, False, True, True),
             ("fp8_merged", fp8, kv_scale, 1, True, True, True),
         ]
+
+    def attend(cache: torch.Tensor, scale: Any, num_splits: int, **options: Any) -> Any:
+        return functools.partial(pa.paged_attention, q, cache, tables, lens, qsl, 1,
+                                 dim**-0.5, num_splits, kv_scale=scale, **options)  # fmt: skip
+
     cap = pa._FP8_DECODE_MAX_REGISTERS
     for name, cache, scale, element, rotated, capped, merged in timed:
-        attend = functools.partial(
-            pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits, kv_scale=scale,
-            queries_rotated=rotated, merge_in_kernel=merged,
-        )  # fmt: skip
+        launch = attend(cache, scale, splits, queries_rotated=rotated, merge_in_kernel=merged)
         pa._FP8_DECODE_MAX_REGISTERS = cap if capped else None
         try:
-            us = graph_us(attend, 20)
+            us = graph_us(launch, 20)
         finally:
             pa._FP8_DECODE_MAX_REGISTERS = cap
         row[f"{name}_us"] = round(us, 2)
@@ -359,11 +383,8 @@ def _attention_shape(
             ("bf16", bf16, None, False),
             ("fp8", fp8, kv_scale, True),
         ):
-            attend = functools.partial(
-                pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, other,
-                kv_scale=scale, queries_rotated=rotated,
-            )  # fmt: skip
-            row[f"{name}_s{other}_us"] = round(graph_us(attend, 20), 2)
+            launch = attend(cache, scale, other, queries_rotated=rotated)
+            row[f"{name}_s{other}_us"] = round(graph_us(launch, 20), 2)
     k_new = torch.randn(batch, hkv, dim, device=device, dtype=torch.bfloat16)
     row["write_fp8_us"] = round(
         graph_us(lambda: write_kv(k_new, k_new, fp8, slots[:batch], kv_scale), 20), 2
