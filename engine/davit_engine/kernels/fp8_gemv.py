@@ -27,36 +27,31 @@ the SiLU kernel and the product's round trip through memory, at the same bytes o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from davit_engine.kernels.layer_ops import silu_times
-from davit_engine.kernels.pdl import gdc_enter, pdl_enabled, pdl_launch
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tile and launch options of `fp8_gemv`. `split_k` 0: chosen from the shape and the GPU's
-    multiprocessor count (`default_split_k`). `prefetch`: each program first sends its slice of
-    W towards L2 (bulk prefetches, before it waits for the kernel before it); only where
-    programmatic dependent launch is on (sm_90+, `kernels/pdl.py`) and W's rows start on 16
-    bytes and are a multiple of 16 bytes long, ignored elsewhere."""
+    multiprocessor count (`default_split_k`)."""
 
     block_n: int
     block_k: int
     num_warps: int
     split_k: int = 0
-    prefetch: bool = False
 
     @property
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k else "sauto"
-        prefetch = "p" if self.prefetch else ""
-        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}{prefetch}"
+        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}"
 
 
 # One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
@@ -74,28 +69,15 @@ MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
-# The default configs prefetch W (GemvConfig.prefetch) for weights of at most this many bytes
-# (0: none; the small projections, qkv and o, are the ones whose launch ramp is a large share).
-# 0: not yet timed on a GPU; a module switch so that a benchmark can run the engine each way.
-PREFETCH_MAX_BYTES = 0
 
 
-def default_config(
-    num_rows: int, n: int, device: torch.device, weight_bytes: int | None = None
-) -> GemvConfig:
-    """The tile for `num_rows` rows and `n` rows of W (`weight_bytes`: W's size, for the
-    prefetch choice; None: no prefetch)."""
+def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
-        cfg = FEW_ROWS_CONFIG
-    elif triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= (
-        _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
-    ):
-        cfg = ONE_ROW_CONFIG
-    else:
-        cfg = ONE_ROW_NARROW_CONFIG
-    if weight_bytes is not None and 0 < weight_bytes <= PREFETCH_MAX_BYTES:
-        return replace(cfg, prefetch=True)
-    return cfg
+        return FEW_ROWS_CONFIG
+    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted:
+        return ONE_ROW_CONFIG
+    return ONE_ROW_NARROW_CONFIG
 
 
 @functools.cache
@@ -140,17 +122,22 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     GATED: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if PREFETCH:  # W does not depend on the kernel before: start it towards L2 before waiting
-        _prefetch_rows(w_ptr, pid_n, split, N, K, k_per_split, BLOCK_N, GATED)
-    gdc_enter(USE_GDC)
-    cols, w_row = _tile_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)
+    # The tile's BLOCK_N rows of W. GATED: N output columns from 2N rows of W ([gate | up]),
+    # each column's gate row and up row side by side in the tile, BLOCK_N // 2 columns.
+    lanes = tl.arange(0, BLOCK_N)
+    cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
     col_valid = cols < N
+    # Out-of-range columns read the last row of W (no mask: the loads stay 16 bytes wide) and
+    # are never stored.
+    w_row = tl.minimum(cols, N - 1)
+    if GATED:
+        w_row += (lanes % 2) * N
     w_rows = w_ptr + w_row.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
     ks = tl.arange(0, BLOCK_K)
     k_begin = split * k_per_split
@@ -210,54 +197,6 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _tile_rows(pid_n, lane, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(output column, row of W) of lane `lane` of program `pid_n`'s tile (a lane index or
-    a tensor of them). GATED: N output columns from 2N rows of W ([gate | up]), each column's
-    gate row and up row side by side in the tile, BLOCK_N // 2 columns. Out-of-range columns
-    read the last row of W (no mask: the loads stay 16 bytes wide) and are never stored."""
-    if GATED:
-        col = pid_n * (BLOCK_N // 2) + lane // 2
-        return col, tl.minimum(col, N - 1) + (lane % 2) * N
-    else:
-        col = pid_n * BLOCK_N + lane
-        return col, tl.minimum(col, N - 1)
-
-
-_PREFETCH_CHUNK = tl.constexpr(4096)  # bytes per bulk prefetch instruction
-
-
-@triton.jit
-def _prefetch_rows(  # type: ignore[no-untyped-def]
-    w_ptr, pid_n, split, N, K, k_per_split, BLOCK_N: tl.constexpr, GATED: tl.constexpr
-):
-    """Bulk L2 prefetches (sm_90: `cp.async.bulk.prefetch.L2`) of this program's slice of W,
-    issued by its first thread: row by row, `_PREFETCH_CHUNK` bytes each (K a multiple of 16,
-    as the bulk copy wants). They change no value, so they may run before `gdc_wait`."""
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for r in tl.static_range(BLOCK_N):
-        _, row = _tile_rows(pid_n, r, N, BLOCK_N, GATED)
-        base = w_ptr + row.to(tl.int64) * K
-        for k0 in range(k_begin, k_end, _PREFETCH_CHUNK):
-            size = tl.minimum(k_end - k0, _PREFETCH_CHUNK)
-            tl.inline_asm_elementwise(
-                """{
-                .reg .pred first;
-                .reg .u32 tid;
-                mov.u32 tid, %tid.x;
-                setp.eq.u32 first, tid, 0;
-                @first cp.async.bulk.prefetch.L2.global [$1], $2;
-                mov.u32 $0, 0;
-                }""",
-                "=r,l,r",
-                [base + k0, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
-
-@triton.jit
 def _sum_splits_kernel(  # type: ignore[no-untyped-def]
     part_ptr,
     scale_ptr,
@@ -302,12 +241,6 @@ def _finish_splits(  # type: ignore[no-untyped-def]
     return out
 
 
-def _bulk_aligned(weight: torch.Tensor) -> bool:
-    """Whether every row of W starts on 16 bytes and is a multiple of 16 bytes long, as a bulk
-    prefetch needs (a weight viewed at an odd offset of a larger buffer is not)."""
-    return weight.shape[1] % 16 == 0 and weight.data_ptr() % 16 == 0
-
-
 def fp8_gemv(
     x: torch.Tensor,  # [M, K], rows contiguous, M small (see MAX_ROWS)
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
@@ -334,7 +267,7 @@ def fp8_gemv(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    cfg = config or default_config(num_rows, n_w, x.device, weight.numel())
+    cfg = config or default_config(num_rows, n_w, x.device)
     if gated and cfg.block_n < 2:
         raise ValueError(f"gated: config.block_n must be at least 2 (got {cfg.block_n})")
     rows_per_program = min(triton.next_power_of_2(num_rows), ROWS_PER_PROGRAM)
@@ -354,7 +287,6 @@ def fp8_gemv(
         num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
-        PREFETCH=cfg.prefetch and _bulk_aligned(weight) and pdl_enabled(x.device),
         num_warps=cfg.num_warps, num_stages=1, **launch,
     )  # fmt: skip
     if split_k > 1:
