@@ -6,7 +6,7 @@ key/value load and a decode step still fills a 16-row matrix tile. Keys are gath
 through the block table, causally (a new token at absolute position p sees keys at positions
 <= p, the cached prefix included). For long contexts with few programs (decode at small batch)
 the key range is split over `num_splits` programs whose partial results a second kernel merges
-by their log-sum-exp (or, with `merge_in_kernel`, the last of them to finish: no second launch).
+by their log-sum-exp.
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
 widened exactly to fp16 with the hardware conversion (sm_89+: one instruction per pair of
@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
@@ -97,7 +96,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -121,9 +119,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
-    GPU_FENCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
@@ -230,16 +225,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         if FP8:
             result = result * v_scale
         store_mask = row_valid[:, None] & dim_valid[None, :]
-        o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
         if NUM_SPLITS == 1:
+            o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
             tl.store(
                 out_ptr + o_offs + dims[None, :],
                 result.to(out_ptr.dtype.element_ty),
                 mask=store_mask,
             )
         else:
-            first_part = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS
-            part_row = first_part + split
+            part_row = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
             tl.store(
                 part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
                 result,
@@ -247,70 +241,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-            if MERGE_LAST:
-                # The last of the NUM_SPLITS programs of this (request, query tile, KV head) to
-                # count itself merges them all. Every thread fences its stores at GPU scope
-                # before the barrier, the barrier precedes the counting (one thread, acquire-
-                # release at GPU scope), and the merging program's loads bypass L1.
-                if GPU_FENCE:
-                    _fence_gpu(slot_dummy=pid)
-                tl.debug_barrier()
-                slot = counter_ptr + pid * NUM_KV_HEADS + kv_head
-                counted = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-                if counted == NUM_SPLITS - 1:
-                    tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # for the next launch
-                    merged = _merge_rows(
-                        part_out_ptr, part_lse_ptr, first_part, row_valid, dims, dim_valid,
-                        NUM_SPLITS, SPLITS_PAD, BLOCK_M, BLOCK_D,
-                    )  # fmt: skip
-                    tl.store(
-                        out_ptr + o_offs + dims[None, :],
-                        merged.to(out_ptr.dtype.element_ty),
-                        mask=store_mask,
-                    )
-
-
-@triton.jit
-def _fence_gpu(slot_dummy):  # type: ignore[no-untyped-def]
-    """`fence.acq_rel.gpu` in every thread (CUDA's __threadfence): the thread's earlier stores
-    are visible GPU-wide before anything it does after. (An inline-asm statement needs an
-    operand: `slot_dummy`, any scalar, is passed through unused.)"""
-    tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [slot_dummy], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _merge_rows(  # type: ignore[no-untyped-def]
-    part_out_ptr, part_lse_ptr, first_part, row_valid, dims, dim_valid,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """[BLOCK_M, BLOCK_D]: the rows' split results (partial outputs at `first_part + split`)
-    weighted by their log-sum-exp, as `_merge_splits_kernel` merges them (float32; the sum over
-    splits runs in split order)."""
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(
-        part_lse_ptr + first_part[:, None] + splits[None, :],
-        mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )  # [BLOCK_M, SPLITS_PAD]
-    m = tl.max(lse, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe[:, None])
-    total = tl.sum(w, 1)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        part = tl.load(
-            part_out_ptr + (first_part + s)[:, None] * BLOCK_D + dims[None, :],
-            mask=row_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += part * tl.sum(tl.where(splits[None, :] == s, w, 0.0), 1)[:, None]
-    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
 
 @triton.jit
@@ -364,51 +294,39 @@ _PIPELINED_MAX_SPLITS = 8
 # it needs 168 (6 programs per multiprocessor); at 128, 8 programs fit (22.5 KB of shared memory
 # each) for 24 bytes of spill. A variant rotating the queries by butterflies in registers took
 # 140 us at W1's shape capped so and 157 us uncapped (214 registers), the kernel rotating them
-# with a Hadamard tile 151 us (bench notes, run 22); this kernel is not timed at the cap yet.
+# with a Hadamard tile 151 us (bench notes, run 22); capped, this kernel took 129.3 us against
+# 143.6 uncapped and 152.2 with the tile (run 23).
 _FP8_DECODE_MAX_REGISTERS: int | None = 128
 MAX_SPLITS = 16
-# Whether split decodes merge in the attention kernel (the last split program of each request
-# and KV head merges, `merge_in_kernel`) instead of a second kernel. Off: not yet timed on a
-# GPU; a module switch so that a benchmark can run the engine both ways.
-MERGE_SPLITS_IN_KERNEL = False
-# Split counters of the in-kernel merge, per device: zeros between launches (the merging
-# program resets its own). Never freed: a captured CUDA graph keeps their address. One set per
-# device, so split launches with the in-kernel merge must not run on two streams of a device at
-# once (the engine runs its models on one stream).
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-_MIN_COUNTERS = 1 << 16
-
-
-def _split_counters(device: torch.device, size: int) -> torch.Tensor | None:
-    """At least `size` zeroed counters on `device`; None where they would have to be made
-    inside a CUDA graph capture (there the zeros would be written only when the graph is
-    replayed, not before an eager launch: the caller merges with the kernel instead). The V2
-    runner's eager warm-up at each graph size makes them before its capture."""
-    key = (device.type, device.index)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < size:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-        counters = torch.zeros(max(size, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+# Programs a split decode aims for: eight per multiprocessor of an H100/H200, what the FP8
+# decode tile's 2-warp programs fit. On the H200 (bench notes, run 23) W1 ran 3.3% faster with
+# an FP8 cache and 2.4% with bf16 than at 528 (three runs each): at 90 requests of 1,260 keys,
+# for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). A module
+# constant so that a benchmark can run the engine at another target.
+SPLIT_TARGET_PROGRAMS = 1056
+# Whether a decode whose programs are just past the target (up to a quarter more: one full
+# wave and a sliver) splits in two, so that the second wave is not a few programs walking whole
+# contexts. At 144 requests of 1,060 keys (1,152 programs) two splits took 102.7 us against
+# 119.2 unsplit with an FP8 cache, 166.5 against 177.4 with bf16 (run 23's sweep); not yet
+# timed over a workload, so off: a switch so that a benchmark can run the engine each way.
+SPLIT_PAST_FULL_WAVE = False
 
 
 def default_num_splits(
     num_requests: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Key-range splits for a decode step: enough programs for about four per multiprocessor
-    of a large GPU, at most one split per 32-key tile. Splits past the keys a step has do no
-    work, so a CUDA graph captured for `max_model_len` keeps short contexts cheap while long ones
+    """Key-range splits for a decode step: enough programs for about eight per multiprocessor
+    of a large GPU (`SPLIT_TARGET_PROGRAMS`), at most one split per 32-key tile (and two just
+    past the target with `SPLIT_PAST_FULL_WAVE`). Splits past the keys a step has do no work,
+    so a CUDA graph captured for `max_model_len` keeps short contexts cheap while long ones
     spread out. Off a GPU (Triton's interpreter runs one program after another) splitting only
     adds the merge pass: one split."""
     if device.type != "cuda":
         return 1
     programs = max(num_requests * num_kv_heads, 1)
-    wanted = max(1, math.ceil(528 / programs))
+    wanted = max(1, math.ceil(SPLIT_TARGET_PROGRAMS / programs))
+    if SPLIT_PAST_FULL_WAVE and SPLIT_TARGET_PROGRAMS < programs <= SPLIT_TARGET_PROGRAMS * 5 // 4:
+        wanted = 2
     return max(1, min(MAX_SPLITS, wanted, math.ceil(max_seq_len / _SPLIT_DECODE_BLOCK_N)))
 
 
@@ -424,14 +342,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
     queries_rotated: bool = False,
-    merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new tokens over its paged keys and values.
-
-    `merge_in_kernel` (None: `MERGE_SPLITS_IN_KERNEL`): with splits, the last program of each
-    request, query tile and KV head to finish merges the splits' results (a counter per such
-    triple, atomically incremented), so no second kernel runs; the same result as the merge
-    kernel up to the order of the float32 sum over splits.
 
     `queries_rotated`: `q` is already `q @ H` (an FP8 cache whose keys are stored rotated;
     `kernels.layer_ops.qk_norm_rope(..., rotate_queries=True)` makes it), so the kernel does
@@ -486,10 +398,6 @@ def paged_attention(
         block_n, num_stages = 64, 2
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_q_tiles = triton.cdiv(max_query_len, block_q)
-    counters = None
-    if num_splits > 1 and (MERGE_SPLITS_IN_KERNEL if merge_in_kernel is None else merge_in_kernel):
-        counters = _split_counters(q.device, num_requests * num_q_tiles * num_kv_heads)
-    merge_last = counters is not None
     if num_splits > 1:
         part_out = torch.empty(
             (num_tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
@@ -507,7 +415,6 @@ def paged_attention(
         out,
         part_out,
         part_lse,
-        counters if counters is not None else seq_lens,  # unused without the in-kernel merge
         block_tables,
         seq_lens,
         query_start_loc,
@@ -531,9 +438,6 @@ def paged_attention(
         BLOCK_D=block_d,
         PAGE=page,
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        MERGE_LAST=merge_last,
-        GPU_FENCE=merge_last and q.device.type == "cuda" and not interpreted(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,
@@ -545,7 +449,7 @@ def paged_attention(
         **limits,
         **pdl_launch(q.device),
     )
-    if num_splits > 1 and not merge_last:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_out,
             part_lse,

@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from davit_engine.kernels import paged_attention as pa
 from davit_engine.kernels.paged_attention import (
     default_num_splits,
     paged_attention,
@@ -89,8 +88,26 @@ def test_default_num_splits() -> None:
     assert default_num_splits(1, 8, 5, gpu) == 1
     # The interpreter runs programs one after another: splits would only add the merge.
     assert default_num_splits(1, 8, 1280, torch.device("cpu")) == 1
-    assert default_num_splits(16, 8, 100_000, gpu) == 5  # 128 programs -> ~4 per multiprocessor
+    assert default_num_splits(16, 8, 100_000, gpu) == 9  # 128 programs -> ~8 per multiprocessor
+    assert default_num_splits(90, 8, 2048, gpu) == 2  # 720 programs
+    assert default_num_splits(132, 8, 2048, gpu) == 1  # 1,056 programs already
     assert default_num_splits(256, 8, 4096, gpu) == 1
+
+
+def test_split_past_a_full_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SPLIT_PAST_FULL_WAVE`: programs past the target by up to a quarter split in two; fewer
+    or more, and a horizon of one key tile, as before."""
+    from davit_engine.kernels import paged_attention as pa
+
+    gpu = torch.device("cuda")
+    assert default_num_splits(144, 8, 2048, gpu) == 1
+    monkeypatch.setattr(pa, "SPLIT_PAST_FULL_WAVE", True)
+    assert default_num_splits(144, 8, 2048, gpu) == 2  # 1,152 programs
+    assert default_num_splits(165, 8, 2048, gpu) == 2  # 1,320: a quarter past
+    assert default_num_splits(166, 8, 2048, gpu) == 1
+    assert default_num_splits(132, 8, 2048, gpu) == 1  # exactly the target
+    assert default_num_splits(90, 8, 2048, gpu) == 2  # below the target: the target's rule
+    assert default_num_splits(144, 8, 20, gpu) == 1  # one key tile
 
 
 def test_many_splits_most_of_them_empty(device: torch.device) -> None:
@@ -265,134 +282,3 @@ def test_paged_attention_fp8_decode_rotated_queries_real_shapes(
     )  # fmt: skip
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
     assert _rel_err(out, ref) < 1e-2
-
-
-def _counters_zero(device: torch.device) -> bool:
-    counters = pa._COUNTERS.get((device.type, device.index))
-    return counters is not None and not bool(counters.any())
-
-
-@pytest.mark.parametrize("q_lens,seq_lens", CASES)
-@pytest.mark.parametrize("num_splits", [2, 3, 64])
-def test_merge_in_kernel_gives_the_merge_kernels_result(
-    device: torch.device, q_lens: list[int], seq_lens: list[int], num_splits: int
-) -> None:
-    """The last split program merges (`merge_in_kernel=True`): the merge kernel's result up to
-    the order of the float32 sum over splits, decode and prefill tiles, splits that own no
-    keys; the counters are back at zero afterwards, so a second launch (a graph replay) merges
-    again."""
-    torch.manual_seed(sum(seq_lens) + num_splits)
-    q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
-    args = (q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits)
-    separate = paged_attention(*args, merge_in_kernel=False)
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        paged_attention(*args, out=out, merge_in_kernel=True)
-        assert not out.isnan().any()
-        assert _rel_err(out, separate) < 1e-6
-        assert _counters_zero(device)
-    assert _rel_err(out, paged_attention_reference(q, cache, tables, lens, qsl, 0.25)) < 1e-5
-
-
-def test_merge_in_kernel_fp8_rotated_queries_and_padding(device: torch.device) -> None:
-    """An FP8 cache with pre-rotated queries and a padding row without blocks (a CUDA graph's):
-    the in-kernel merge equals the merge kernel's result, the padding row stays zero."""
-    torch.manual_seed(21)
-    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
-        device, [1, 1, 1], [37, 1, 90], (4, 2), 16, 4, torch.float32
-    )
-    tables[1] = -1
-    h = hadamard(16, device)
-    q_rot = (q.float() @ h).to(q.dtype)
-    args = (q_rot, cache, tables, lens, qsl, 1, 0.25, 4)
-    separate = paged_attention(*args, kv_scale=kv_scale, queries_rotated=True,
-                               merge_in_kernel=False)  # fmt: skip
-    fused = paged_attention(*args, kv_scale=kv_scale, queries_rotated=True, merge_in_kernel=True)
-    assert torch.equal(fused[1], torch.zeros_like(fused[1]))
-    assert _rel_err(fused, separate) < 1e-6
-    assert _counters_zero(device)
-
-
-def test_merge_in_kernel_follows_the_module_switch(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`merge_in_kernel` unset follows MERGE_SPLITS_IN_KERNEL; the counters grow for a batch
-    larger than they hold and the old ones are kept (a captured graph may point at them)."""
-    torch.manual_seed(22)
-    monkeypatch.setattr(pa, "_COUNTERS", {})
-    monkeypatch.setattr(pa, "_RETIRED_COUNTERS", [])
-    monkeypatch.setattr(pa, "_MIN_COUNTERS", 4)
-    q, cache, tables, lens, qsl = _batch(device, [1] * 3, [9, 30, 5], (4, 2), 16, 4, torch.float32)
-    paged_attention(q, cache, tables, lens, qsl, 1, 0.25, 2)
-    assert not pa._COUNTERS  # off by default: the merge kernel ran
-    monkeypatch.setattr(pa, "MERGE_SPLITS_IN_KERNEL", True)
-    small = paged_attention(q[:1], cache, tables[:1], lens[:1], qsl[:2], 1, 0.25, 2)
-    assert pa._COUNTERS[(device.type, device.index)].numel() == 4
-    out = paged_attention(q, cache, tables, lens, qsl, 1, 0.25, 2)
-    assert pa._COUNTERS[(device.type, device.index)].numel() == 6  # 3 requests x 2 KV heads
-    assert len(pa._RETIRED_COUNTERS) == 1
-    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25)
-    assert _rel_err(out, ref) < 1e-5 and _rel_err(small, ref[:1]) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize(
-    ("batch", "ctx", "num_splits"), [(1, 1152, 16), (64, 1500, 2), (4, 900, 9)]
-)
-def test_merge_in_kernel_real_shapes(
-    device: torch.device, fp8: bool, batch: int, ctx: int, num_splits: int
-) -> None:
-    """Decode at W2's and W1's split shapes, bf16 and FP8 (rotated queries), 20 launches in a
-    row: every one equals the merge kernel's result (a lost or early merge would show as
-    stale rows, the counters as nonzero)."""
-    torch.manual_seed(23)
-    seq_lens = [ctx - 7 * i for i in range(batch)]
-    if fp8:
-        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
-            device, [1] * batch, seq_lens, (32, 8), 128, 16, torch.bfloat16
-        )
-        q = (q.float() @ hadamard(128, device)).to(q.dtype)
-    else:
-        q, cache, tables, lens, qsl = _batch(
-            device, [1] * batch, seq_lens, (32, 8), 128, 16, torch.bfloat16
-        )
-        kv_scale = None
-    kwargs = {"kv_scale": kv_scale, "queries_rotated": fp8}
-    args = (q, cache, tables, lens, qsl, 1, 128**-0.5, num_splits)
-    separate = paged_attention(*args, merge_in_kernel=False, **kwargs)
-    for _ in range(20):
-        out = torch.full_like(q, float("nan"))
-        paged_attention(*args, out=out, merge_in_kernel=True, **kwargs)
-        torch.testing.assert_close(out, separate, rtol=1e-2, atol=1e-3)
-    assert _counters_zero(device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warm", [False, True])
-def test_merge_in_kernel_inside_a_cuda_graph(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, warm: bool
-) -> None:
-    """Counters made before the capture (the runner's eager warm-up): the graph merges in the
-    kernel, replay after replay. None yet: the capture does not make them (their zeros would
-    come only with a replay) and merges with the kernel instead."""
-    torch.manual_seed(24)
-    monkeypatch.setattr(pa, "_COUNTERS", {})
-    q, cache, tables, lens, qsl = _batch(
-        device, [1] * 4, [1000, 37, 512, 800], (32, 8), 128, 16, torch.bfloat16
-    )
-    args = (q, cache, tables, lens, qsl, 1, 128**-0.5, 8)
-    expected = paged_attention(*args, merge_in_kernel=False)
-    out = torch.empty_like(q)
-    if warm:
-        paged_attention(*args, out=out, merge_in_kernel=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_attention(*args, out=out, merge_in_kernel=True)
-    assert bool(pa._COUNTERS) == warm
-    for _ in range(5):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)
-    if warm:
-        assert _counters_zero(device)

@@ -16,7 +16,6 @@ from davit_contract.graphs import graph_batch_sizes
 from davit_engine.config import EngineConfig
 from davit_engine.core.batch import SchedulerOutput
 from davit_engine.core.scheduler import Scheduler
-from davit_engine.kernels import paged_attention
 from davit_engine.loader import LoadedModel, load_model
 from davit_engine.runner.v2 import RunnerV2
 from davit_engine.runner.v2.graphs import DecodeGraphs
@@ -159,25 +158,4 @@ def test_captured_graphs_share_the_buffer(loaded: LoadedModel) -> None:
     eager.initialize_kv_cache(NUM_BLOCKS)
     lengths = [5, 9, 3, 11, 7]
     assert _generate(runner, config, lengths) == _generate(eager, config, lengths)
-    assert runner.num_graph_steps > 0
-
-
-@pytest.mark.gpu
-def test_split_merge_in_the_attention_kernel_keeps_the_tokens(
-    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Graphs captured with the split decodes merged in the attention kernel
-    (MERGE_SPLITS_IN_KERNEL) decode the tokens of the eager runner with the merge kernel."""
-    config = _config()
-    eager = RunnerV2(config, loaded, DEVICE)
-    eager.use_graphs = False
-    eager.initialize_kv_cache(NUM_BLOCKS)
-    lengths = [5, 9, 3, 11, 7, 40, 60]
-    expected = _generate(eager, config, lengths)
-    monkeypatch.setattr(paged_attention, "MERGE_SPLITS_IN_KERNEL", True)
-    monkeypatch.setattr(paged_attention, "_COUNTERS", {})
-    runner = RunnerV2(config, loaded, DEVICE)
-    runner.initialize_kv_cache(NUM_BLOCKS)  # the eager warm-up makes the counters, then captures
-    assert paged_attention._COUNTERS
-    assert _generate(runner, config, lengths) == expected
     assert runner.num_graph_steps > 0
