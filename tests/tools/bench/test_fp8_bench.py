@@ -48,6 +48,45 @@ def test_w1_rounds_interleave_the_variants_and_record_a_summary(
     assert summary["fp8-kv"]["median"] == 128.0 and summary["fp8-kv"]["median_over_first"] == 1.28
 
 
+def test_w1_prefill_runs_the_prompts_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`w1-prefill`: W1's requests with one output token each (the same prompts), its figure
+    the prompt tokens over the run's time."""
+    seen: list[Any] = []
+
+    def run(workload: Any, variant: fp8.Variant, copy_bw: float) -> dict[str, Any]:
+        seen.append(workload)
+        return {"outputs": {}, "output_tok_s": 1.0, "elapsed_s": 2.0}
+
+    monkeypatch.setattr(fp8, "_run_workload", run)
+    monkeypatch.setattr(fp8, "versions", lambda: {})
+    monkeypatch.setattr(fp8, "OUT", tmp_path)
+    monkeypatch.setattr(fp8, "ROWS", [])
+    assert fp8.main(["--sections", "w1-prefill", "--w1-variants", "bf16,fp8-kv"]) == 0
+    inputs, outputs = seen[0].lengths()
+    assert inputs == fp8.W1().lengths()[0] and set(outputs) == {1}
+    rows = [json.loads(line) for line in (tmp_path / "fp8.jsonl").read_text().splitlines()]
+    prefill = [r for r in rows if r["section"] == "w1-prefill"]
+    assert [r["variant"] for r in prefill] == ["bf16", "fp8-kv"]
+    assert prefill[0]["prompt_tokens"] == sum(inputs)
+    assert prefill[0]["prefill_tok_s"] == round(sum(inputs) / 2.0, 1)
+
+
+def test_kernel_figures_count_overlapping_kernels_once() -> None:
+    """Busy time is the union of the kernel intervals (a kernel launched with programmatic
+    dependent launch starts before the one before it ends); the sum counts each kernel."""
+    spans = [
+        ("attention", 0.0, 100.0),
+        ("merge", 60.0, 110.0),  # overlaps the attention's tail
+        ("attention", 200.0, 300.0),
+        ("norm", 300.0, 310.0),  # touches: one busy stretch
+    ]
+    figures = fp8.kernel_figures(spans, top=2)
+    assert (figures["span_s"], figures["busy_s"], figures["sum_s"]) == (3.1e-4, 2.2e-4, 2.6e-4)
+    assert figures["top"][0] == ["attention", 0.0002, 2]
+    assert [name for name, _, _ in figures["top"]] == ["attention", "merge"]
+    assert fp8.kernel_figures([]) == {"span_s": 0.0, "busy_s": 0.0, "sum_s": 0.0, "top": []}
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
@@ -110,10 +149,10 @@ def test_run_workload_sets_the_gate_activation_switch_while_the_engine_exists(
     assert fused_layers.FUSE_FP8_GATE_ACTIVATION is True
 
 
-def test_gemv_configs_parse_the_prefetch_flag() -> None:
-    plain, prefetched = fp8._parse_gemv_configs("8/512/4/0;4/1024/4/2/p")
-    assert not plain.prefetch and plain.label == "gemv_8x512w4sauto"
-    assert prefetched.prefetch and prefetched.split_k == 2 and prefetched.label.endswith("s2p")
+def test_gemv_configs_parse() -> None:
+    auto, split = fp8._parse_gemv_configs("8/512/4/0;4/1024/4/2")
+    assert auto.label == "gemv_8x512w4sauto" and split.split_k == 2
+    assert split.label == "gemv_4x1024w4s2"
 
 
 def test_variant_switches_name_existing_engine_attributes() -> None:
@@ -146,17 +185,16 @@ def test_kernel_rows_are_built_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     bf16 = [torch.randn(32, 256, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
     scales = [w.float().abs().amax(dim=1) / FP8_MAX for w in bf16]
     weights = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
-    gemv = fp8._parse_gemv_configs("8/128/4/0;8/128/4/0/p")
+    gemv = fp8._parse_gemv_configs("8/128/4/0;8/128/4/2")
     row = fp8._gemm_rows("gate_up", bf16, weights, scales, 1, [], gemv)
-    for key in ("bf16_us", "default_us", "gemv_8x128w4sauto_us", "gemv_8x128w4sautop_us",
-                "act_separate_us", "act_gated_us", "after_norm_us", "after_norm_prefetch_us",
-                "norm_alone_us", "best"):  # fmt: skip
+    for key in ("bf16_us", "default_us", "gemv_8x128w4sauto_us", "gemv_8x128w4s2_us",
+                "act_separate_us", "act_gated_us", "best"):  # fmt: skip
         assert key in row, key
     assert row["act_gated_equal"] is True
     assert not [key for key in row if key.endswith("_error")]
     row = fp8._attention_shape("tiny", 2, 40, 4, 2, device="cpu", splits=2, sweep_splits=(3,))
-    for key in ("bf16_us", "fp8_us", "fp8_q_tile_us", "fp8_uncapped_us", "bf16_merged_us",
-                "fp8_merged_us", "speedup", "write_fp8_us", "write_bf16_us", "bf16_s3_us",
+    for key in ("bf16_us", "fp8_us", "fp8_q_tile_us", "fp8_uncapped_us",
+                "speedup", "write_fp8_us", "write_bf16_us", "bf16_s3_us",
                 "fp8_s3_us"):  # fmt: skip
         assert key in row, key
     assert row["splits"] == 2

@@ -12,23 +12,24 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
   names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
-  with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`; at one
-  row an RMSNorm then the engine's product, W prefetched during the norm or not
-  (`after_norm_prefetch_us`, `after_norm_us`; `norm_alone_us`);
+  with SiLU x up in its epilogue (`act_gated_us`) against the product then `silu_mul`;
 - `attention`: decode attention at W1's shape (B 256, context 840, 16/8 heads x 128), a W1
   tail step's (B 64, context 1500, two splits) and W2's (B 1, context 1152, 32/8 x 128) over a
   bf16 and an FP8 cache (write included separately); FP8 as the V2 runner launches it
   (queries rotated beforehand), with the kernel rotating the queries itself (`fp8_q_tile`),
-  without the register cap (`fp8_uncapped`), and at split shapes with the splits merged in
-  the kernel (`bf16_merged`, `fp8_merged`) and at other split counts (`*_s{N}`);
+  without the register cap (`fp8_uncapped`), and at split shapes at other split counts
+  (`*_s{N}`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
-  instead of in the gate/up product's, `fp8-both-prefetch` has the matrix-vector products
-  prefetch W (`-small`: qkv and o only), `*-merge-in-kernel` merges split decodes in the attention kernel), decode tok/s
+  instead of in the gate/up product's), decode tok/s
   against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`);
+- `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
+  `--rounds`): the prefill part of W1, prompt tokens per second;
+- `w1-profile`: one W1 run per variant under the torch profiler: GPU busy time (the union of
+  kernel intervals) and the largest kernels' totals;
 - `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess;
 - `quality`: the quality figures of `tests/engine/quant/test_quality_smollm2.py` on this GPU
   (SmolLM2-135M from `--smollm2-gguf`, bf16, the GPU kernels: Triton attention, the FP8
@@ -144,21 +145,16 @@ def _parse_configs(text: str) -> list[Any]:
 
 
 def _parse_gemv_configs(text: str) -> list[Any]:
-    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p];...` -> GemvConfigs (SPLIT_K 0: the engine's choice;
-    a trailing `/p`: W prefetched towards L2 before the program waits, GemvConfig.prefetch)."""
+    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K;...` -> GemvConfigs (SPLIT_K 0: the engine's choice)."""
     from davit_engine.kernels.fp8_gemv import GemvConfig
 
     configs = []
     for item in filter(None, text.split(";")):
         fields = item.split("/")
-        prefetch = len(fields) == 5 and fields[4] == "p"
-        numbers = all(v.isdigit() for v in fields[:4])
-        if len(fields) not in (4, 5) or (len(fields) == 5 and not prefetch) or not numbers:
-            raise ValueError(f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p]")
-        n, k, w, split = (int(v) for v in fields[:4])
-        configs.append(
-            GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split, prefetch=prefetch)
-        )
+        if len(fields) != 4 or not all(v.isdigit() for v in fields):
+            raise ValueError(f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K")
+        n, k, w, split = (int(v) for v in fields)
+        configs.append(GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split))
     return configs
 
 
@@ -238,8 +234,6 @@ def _gemm_rows(
             row[label + "_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     if name == "gate_up" and rows <= fp8_gemv.MAX_ROWS:  # SiLU x up: in the epilogue or not
         row.update(_activation_timings(x, fp8, scales, cycled))
-    if rows == 1:  # after a short kernel, as in a decode step: W prefetched during it or not
-        row.update(_after_norm_timings(x, fp8, scales, cycled))
     if weight_only:
         best = min(weight_only, key=lambda key: weight_only[key])
         row["best"] = best
@@ -271,31 +265,6 @@ def _activation_timings(
         "act_separate_us": round(graph_us(cycled(separate), 20), 2),
         "act_gated_us": round(graph_us(cycled(gated), 20), 2),
         "act_gated_equal": bool(torch.equal(gated(0), separate(0))),
-    }
-
-
-def _after_norm_timings(
-    x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor],
-    cycled: Callable[[Callable[[int], Any]], Callable[[], Any]],
-) -> dict[str, Any]:  # fmt: skip
-    """An RMSNorm then the engine's one-row product, W prefetched during the norm or not."""
-    from davit_engine.kernels.fp8_gemv import default_config, fp8_gemv
-    from davit_engine.kernels.layer_ops import rms_norm
-    from davit_tools.bench.timing import graph_us
-
-    norm_weight = torch.ones(x.shape[1], device=x.device, dtype=torch.bfloat16)
-
-    def run(cfg: Any, i: int) -> torch.Tensor:
-        return fp8_gemv(rms_norm(x, norm_weight, 1e-6), fp8[i], scales[i], config=cfg)
-
-    plain = default_config(1, fp8[0].shape[0], x.device)
-    prefetched = dataclasses.replace(plain, prefetch=True)
-    return {
-        "after_norm_us": round(graph_us(cycled(functools.partial(run, plain)), 20), 2),
-        "after_norm_prefetch_us": round(
-            graph_us(cycled(functools.partial(run, prefetched)), 20), 2
-        ),
-        "norm_alone_us": round(graph_us(lambda: rms_norm(x, norm_weight, 1e-6), 20), 2),
     }
 
 
@@ -346,27 +315,21 @@ def _attention_shape(
     kv_bytes = batch * ctx * hkv * dim * 2
     # fp8: as the V2 runner launches it, the queries rotated by the rotary kernel beforehand;
     # fp8_q_tile: the kernel rotating them itself; fp8_uncapped: the first without its
-    # register cap (its timing does not depend on q's values); *_merged: split results merged
-    # by the last split program instead of the merge kernel (split shapes only)
+    # register cap (its timing does not depend on q's values)
     timed = [
-        ("bf16", bf16, None, 2, False, True, False),
-        ("fp8", fp8, kv_scale, 1, True, True, False),
-        ("fp8_q_tile", fp8, kv_scale, 1, False, True, False),
-        ("fp8_uncapped", fp8, kv_scale, 1, True, False, False),
+        ("bf16", bf16, None, 2, False, True),
+        ("fp8", fp8, kv_scale, 1, True, True),
+        ("fp8_q_tile", fp8, kv_scale, 1, False, True),
+        ("fp8_uncapped", fp8, kv_scale, 1, True, False),
     ]
-    if splits > 1:
-        timed += [
-            ("bf16_merged", bf16, None, 2, False, True, True),
-            ("fp8_merged", fp8, kv_scale, 1, True, True, True),
-        ]
 
     def attend(cache: torch.Tensor, scale: Any, num_splits: int, **options: Any) -> Any:
         return functools.partial(pa.paged_attention, q, cache, tables, lens, qsl, 1,
                                  dim**-0.5, num_splits, kv_scale=scale, **options)  # fmt: skip
 
     cap = pa._FP8_DECODE_MAX_REGISTERS
-    for name, cache, scale, element, rotated, capped, merged in timed:
-        launch = attend(cache, scale, splits, queries_rotated=rotated, merge_in_kernel=merged)
+    for name, cache, scale, element, rotated, capped in timed:
+        launch = attend(cache, scale, splits, queries_rotated=rotated)
         pa._FP8_DECODE_MAX_REGISTERS = cap if capped else None
         try:
             us = graph_us(launch, 20)
@@ -418,6 +381,17 @@ class Variant:
     switches: tuple[tuple[str, str, object], ...] = ()
 
 
+def _attention_variants(suffix: str, attribute: str, value: object) -> dict[str, Variant]:
+    """bf16 and FP8 KV variants with one paged-attention module switch set."""
+    module = "davit_engine.kernels.paged_attention"
+    return {
+        f"{base}-{suffix}": Variant(
+            f"{base}-{suffix}", None, kv_dtype, ((module, attribute, value),)
+        )  # fmt: skip
+        for base, kv_dtype in (("bf16", "auto"), ("fp8-kv", "fp8"))
+    }
+
+
 VARIANTS = {
     "bf16": Variant("bf16", None, "auto"),
     "fp8-kv": Variant("fp8-kv", None, "fp8"),
@@ -430,34 +404,12 @@ VARIANTS = {
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "FUSE_FP8_GATE_ACTIVATION", False),),
     ),  # fmt: skip
-    # the matrix-vector products prefetch W towards L2 before waiting on the kernel before:
-    # every projection, or the small ones (qkv and o of the Llama-3.1-8B shape, <= 32 MiB)
-    "fp8-both-prefetch": Variant(
-        "fp8-both-prefetch",
-        "fp8",
-        "fp8",
-        (("davit_engine.kernels.fp8_gemv", "PREFETCH_MAX_BYTES", 1 << 62),),
-    ),
-    "fp8-both-prefetch-small": Variant(
-        "fp8-both-prefetch-small",
-        "fp8",
-        "fp8",
-        (("davit_engine.kernels.fp8_gemv", "PREFETCH_MAX_BYTES", 32 << 20),),
-    ),
-    # split decodes merged by their last split program instead of the merge kernel
-    **{
-        f"{base}-merge-in-kernel": Variant(
-            f"{base}-merge-in-kernel",
-            quantization,
-            kv_dtype,
-            (("davit_engine.kernels.paged_attention", "MERGE_SPLITS_IN_KERNEL", True),),
-        )
-        for base, quantization, kv_dtype in (
-            ("bf16", None, "auto"),
-            ("fp8-kv", None, "fp8"),
-            ("fp8-both", "fp8", "fp8"),
-        )
-    },
+    # split decodes aiming at other program counts than the engine's 1,056 (528: four per
+    # multiprocessor, the target before run 23; 2,112: sixteen), and decodes just past one full
+    # wave of programs split in two (SPLIT_PAST_FULL_WAVE)
+    **_attention_variants("splits-528", "SPLIT_TARGET_PROGRAMS", 528),
+    **_attention_variants("splits-2112", "SPLIT_TARGET_PROGRAMS", 2112),
+    **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
 }
 
 
@@ -481,7 +433,12 @@ def w2_floor_bytes(w2: W2, variant: Variant) -> int:
     return weights + 2 * rest + kv
 
 
-def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -> dict[str, Any]:
+def _run_workload(
+    workload: OfflineWorkload, variant: Variant, copy_bw: float, profile: bool = False
+) -> dict[str, Any]:
+    """One run of `workload` on a fresh engine of `variant` (after a warm-up). `profile`: the
+    workload's loop under the torch profiler, its kernel figures under "kernels"
+    (`kernel_figures`)."""
     from davit_tools.bench.gpu_suite import (
         _engine_loop,
         free_memory,
@@ -505,13 +462,24 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
         setup_s = time.perf_counter() - start
         vocab = core.model_info.vocab_size
         _engine_loop(core, warmup_requests(vocab))
-        res = _engine_loop(core, workload_requests(workload, vocab))
-        profile = core.memory_profile
+        requests = workload_requests(workload, vocab)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                res = _engine_loop(core, requests)
+                torch.cuda.synchronize()
+            res["kernels"] = kernel_figures(_kernel_spans(prof))
+        else:
+            res = _engine_loop(core, requests)
+        memory = core.memory_profile
         res["num_blocks"] = core.model_info.num_blocks
-        if profile is not None:
-            res["token_capacity"] = profile.memory.token_capacity
-            res["block_bytes"] = profile.memory.block_bytes
-            res["weights_gib"] = round(profile.memory.weights_bytes / 2**30, 3)
+        if memory is not None:
+            res["token_capacity"] = memory.memory.token_capacity
+            res["block_bytes"] = memory.memory.block_bytes
+            res["weights_gib"] = round(memory.memory.weights_bytes / 2**30, 3)
     finally:
         if core is not None:
             core.shutdown()
@@ -521,6 +489,41 @@ def _run_workload(workload: OfflineWorkload, variant: Variant, copy_bw: float) -
         free_memory()
     res["setup_s"] = round(setup_s, 1)
     return res
+
+
+def _kernel_spans(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every GPU kernel a torch profiler saw."""
+    from torch.autograd import DeviceType
+
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+
+
+def kernel_figures(spans: list[tuple[str, float, float]], top: int = 20) -> dict[str, Any]:
+    """From kernel intervals (microseconds): the span from the first start to the last end,
+    the GPU busy time (the union of the intervals: kernels launched with programmatic
+    dependent launch overlap the one before, so their sum counts that overlap twice), the sum,
+    and the `top` kernels by total time with their launch counts, in seconds."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((a, b) for _, a, b in spans):  # each stretch's new part only
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    totals: dict[str, list[float]] = {}
+    for name, start, stop in spans:
+        entry = totals.setdefault(name[:80], [0.0, 0])
+        entry[0] += stop - start
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    span = max(b for _, _, b in spans) - min(a for _, a, _ in spans) if spans else 0.0
+    return {
+        "span_s": round(span / 1e6, 6),
+        "busy_s": round(busy / 1e6, 6),
+        "sum_s": round(sum(t for t, _ in totals.values()) / 1e6, 6),
+        "top": [[name, round(t / 1e6, 6), int(n)] for name, (t, n) in ranked],
+    }
 
 
 def rounds_summary(figures: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -571,20 +574,54 @@ def section_w2(args: argparse.Namespace) -> None:
             record("w2-rounds", figure="decode_tok_s", **row)
 
 
-def section_w1(args: argparse.Namespace) -> None:
-    w1 = W1()
+def _w1_variant_rounds(
+    args: argparse.Namespace, workload: OfflineWorkload, section: str, figure: str,
+    derive: Callable[[dict[str, Any]], None] | None = None, **fields: Any,
+) -> None:  # fmt: skip
+    """`workload` on each of `--w1-variants`, `--rounds` times interleaved: a `section` row per
+    run (`derive` adds computed fields to the run's result first), then with rounds each
+    variant's median, minimum and maximum of `figure` (`{section}-rounds`)."""
     names = args.w1_variants.split(",")
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(1, args.rounds + 1):
         for name in names:
-            res = _run_workload(w1, VARIANTS[name], args.copy_bw)
+            res = _run_workload(workload, VARIANTS[name], args.copy_bw)
             res.pop("outputs")
-            figures[name].append(res["output_tok_s"])
-            record("w1", variant=name, round=round_, model=w1.model, runner="v2-graphs-async",
-                   **res, **versions())  # fmt: skip
+            if derive is not None:
+                derive(res)
+            figures[name].append(res[figure])
+            record(section, variant=name, round=round_, **fields, **res, **versions())
     if args.rounds > 1:
         for row in rounds_summary(figures):
-            record("w1-rounds", figure="output_tok_s", **row)
+            record(f"{section}-rounds", figure=figure, **row)
+
+
+def section_w1(args: argparse.Namespace) -> None:
+    w1 = W1()
+    _w1_variant_rounds(args, w1, "w1", "output_tok_s", model=w1.model, runner="v2-graphs-async")
+
+
+def section_w1_prefill(args: argparse.Namespace) -> None:
+    """W1's prompts alone (each request one output token): the prefill part of W1, where an
+    FP8 cache's chunks attend to FP8 keys through the prefill tiles."""
+    prompt_tokens = sum(W1().lengths()[0])
+
+    def derive(res: dict[str, Any]) -> None:
+        res["prefill_tok_s"] = round(prompt_tokens / res["elapsed_s"], 1)
+
+    prompts_alone = dataclasses.replace(W1(), output_len=(1, 1))
+    _w1_variant_rounds(args, prompts_alone, "w1-prefill", "prefill_tok_s", derive,
+                       prompt_tokens=prompt_tokens)  # fmt: skip
+
+
+def section_w1_profile(args: argparse.Namespace) -> None:
+    """One W1 run per variant under the torch profiler: wall time, GPU busy time and the
+    largest kernels' totals (the profiler slows the host, so wall minus busy overstates the
+    idle time of an unprofiled run)."""
+    for name in args.w1_variants.split(","):
+        res = _run_workload(W1(), VARIANTS[name], args.copy_bw, profile=True)
+        res.pop("outputs")
+        record("w1-profile", variant=name, **res, **versions())
 
 
 def section_memory(args: argparse.Namespace) -> None:
@@ -634,6 +671,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "attention": section_attention,
     "w2": section_w2,
     "w1": section_w1,
+    "w1-prefill": section_w1_prefill,
+    "w1-profile": section_w1_profile,
     "memory": section_memory,
     "quality": section_quality,
 }
@@ -648,6 +687,9 @@ _BRIEF = {
            "tokens_equal_to_first_variant", "num_blocks"),
     "w1": ("variant", "round", "output_tok_s", "elapsed_s", "token_capacity"),
     "w1-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
+    "w1-prefill": ("variant", "round", "prefill_tok_s", "elapsed_s"),
+    "w1-prefill-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
+    "w1-profile": ("variant", "output_tok_s", "elapsed_s", "kernels"),
     "w2-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
 }  # fmt: skip
 
@@ -676,10 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-configs", default="32/512/4/4",
                         help="extra matrix-unit tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
     parser.add_argument("--gemv-configs",
-                        default="8/512/4/0;8/512/4/0/p;4/1024/4/0;4/1024/4/0/p;16/512/4/0;"
-                                "8/1024/4/0;16/1024/8/0;8/512/4/1",
-                        help="matrix-vector tiles: BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/p];... (0: "
-                             "auto; /p: W prefetched towards L2)")  # fmt: skip
+                        default="8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;16/1024/8/0;"
+                                "8/512/4/1",
+                        help="matrix-vector tiles: BLOCK_N/BLOCK_K/WARPS/SPLIT_K;... (0: "
+                             "auto)")  # fmt: skip
     parser.add_argument("--gemm-rows", default="1,2,4,8,16,256")
     parser.add_argument("--copy-bw", type=float, default=4.24e12, help="bytes/s (run 2)")
     parser.add_argument("--memory-shapes", default="qwen3-0.6b:16384")
