@@ -7,10 +7,28 @@ interpreter (`TRITON_INTERPRET=1`), which the tests use at tiny sizes.
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`): no inline
     assembly, no launch options of the GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count; 4 off a GPU (the interpreter: small, so that the
+    tests exercise the paths that many programs per multiprocessor take)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_multiprocessors(device.index)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count

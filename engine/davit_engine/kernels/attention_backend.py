@@ -8,6 +8,7 @@ import torch
 
 from davit_engine.kernels.kv_cache import write_kv
 from davit_engine.kernels.paged_attention import default_num_splits, paged_attention
+from davit_engine.layers.fp8 import is_fp8
 
 if TYPE_CHECKING:
     from davit_engine.layers.attention import AttentionMetadata
@@ -54,7 +55,11 @@ class TritonPagedAttention:
             num_splits = fixed
         elif meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
             num_splits = default_num_splits(
-                int(meta.seq_lens.shape[0]), int(kv_cache.shape[3]), meta.max_seq_len, q.device
+                int(meta.seq_lens.shape[0]),
+                int(kv_cache.shape[3]),
+                meta.max_seq_len,
+                q.device,
+                fp8=is_fp8(kv_cache.dtype),
             )
         return paged_attention(
             q,

@@ -26,13 +26,13 @@ the SiLU kernel and the product's round trip through memory, at the same bytes o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
@@ -74,26 +74,17 @@ _PROGRAMS_PER_SM = 4
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
         return FEW_ROWS_CONFIG
-    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    wanted = _PROGRAMS_PER_SM * multiprocessors(device)
     if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted:
         return ONE_ROW_CONFIG
     return ONE_ROW_NARROW_CONFIG
-
-
-@functools.cache
-def _multiprocessors(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
-        return 4  # the interpreter: small, so the tests exercise split K
-    return torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    ).multi_processor_count
 
 
 def default_split_k(n: int, k: int, config: GemvConfig, device: torch.device) -> int:
     """Smallest power-of-two split of K giving about `_PROGRAMS_PER_SM` programs per
     multiprocessor, keeping at least two K steps per split."""
     programs = triton.cdiv(n, config.block_n)
-    wanted = _PROGRAMS_PER_SM * _multiprocessors(device.type, device.index)
+    wanted = _PROGRAMS_PER_SM * multiprocessors(device)
     steps = triton.cdiv(k, config.block_k)
     split = 1
     while programs * split < wanted and steps // (split * 2) >= 2:

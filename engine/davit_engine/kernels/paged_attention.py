@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
@@ -108,6 +109,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     stride_bt,
     stride_cache_block,
     num_q_tiles,
+    num_requests,
+    split_programs,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -119,6 +122,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BALANCED: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,
     FP8: tl.constexpr,
@@ -171,7 +176,13 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         kv_end = tl.minimum(seq_len, ctx_len + last_tok)
         num_tiles = tl.cdiv(kv_end, BLOCK_N)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        if BALANCED:  # the same run of tiles for every request's splits
+            tiles_per_split = _balanced_split_tiles(
+                seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS, BLOCK_N,
+                MIN_SPLIT_TILES,
+            )  # fmt: skip
+        else:  # each request's tiles in NUM_SPLITS runs
+            tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         tile_begin = split * tiles_per_split
         tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
@@ -234,13 +245,37 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
         else:
             part_row = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
+            # A split without key tiles stores its log-sum-exp alone (-inf: the merge skips it)
+            has_keys = (rows * 0 + tile_begin) < tile_end  # [BLOCK_M], one value
             tl.store(
                 part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
                 result,
-                mask=store_mask,
+                mask=store_mask & has_keys[:, None],
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _balanced_split_tiles(  # type: ignore[no-untyped-def]
+    seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+):  # fmt: skip
+    """Key tiles per split when a step's splits are balanced: the step's tiles (all requests,
+    all KV heads) over `split_programs` programs, at least `MIN_SPLIT_TILES`, and enough that
+    NUM_SPLITS runs cover the longest request. Every program of the launch computes the same
+    figure from `seq_lens` (a few loads of one small vector, in L2 after the first)."""
+    total = 0
+    longest = 0
+    for first in range(0, num_requests, 128):
+        req = first + tl.arange(0, 128)
+        lens = tl.load(seq_lens_ptr + req, mask=req < num_requests, other=0)
+        tiles = (lens + (BLOCK_N - 1)) // BLOCK_N
+        total += tl.sum(tiles, 0)
+        longest = tl.maximum(longest, tl.max(tiles, 0))
+    per_program = (total * NUM_KV_HEADS + split_programs - 1) // split_programs
+    covering = (longest + (NUM_SPLITS - 1)) // NUM_SPLITS
+    return tl.maximum(tl.maximum(per_program, covering), MIN_SPLIT_TILES)
 
 
 @triton.jit
@@ -268,9 +303,9 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
     dims = tl.arange(0, BLOCK_D)
-    parts = tl.load(
+    parts = tl.load(  # a split without keys (log-sum-exp -inf) stored no partial output
         part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
-        mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        mask=(split_valid & (lse > float("-inf")))[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     total = tl.sum(w, 0)
@@ -298,35 +333,82 @@ _PIPELINED_MAX_SPLITS = 8
 # 143.6 uncapped and 152.2 with the tile (run 23).
 _FP8_DECODE_MAX_REGISTERS: int | None = 128
 MAX_SPLITS = 16
-# Programs a split decode aims for: eight per multiprocessor of an H100/H200, what the FP8
-# decode tile's 2-warp programs fit. On the H200 (bench notes, run 23) W1 ran 3.3% faster with
-# an FP8 cache and 2.4% with bf16 than at 528 (three runs each): at 90 requests of 1,260 keys,
-# for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). A module
-# constant so that a benchmark can run the engine at another target.
-SPLIT_TARGET_PROGRAMS = 1056
+# Decode programs one multiprocessor holds at once, by cache kind, as compiled for sm_90 by
+# Triton 3.6 (16/8 heads of 128, pages of 16): the model-dtype tile takes 118 registers per
+# thread x 4 warps and 38 KB of shared memory (4 by registers), the FP8 tile at its register cap
+# 128 x 2 warps and 22 KB (8 by registers).
+DECODE_PROGRAMS_PER_SM = {"model": 4, "fp8": 8}
+# Waves of those programs a split decode aims for (`split_target_programs`). On the H200's 132
+# multiprocessors both are 1,056 programs, against 528 before (bench notes, run 23): W1 ran 3.3%
+# faster with an FP8 cache and 2.4% with bf16 (three runs each); at 90 requests of 1,260 keys,
+# for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). Module
+# constants so that a benchmark can run the engine at other targets.
+SPLIT_WAVES = {"model": 2.0, "fp8": 1.0}
 # Whether a decode whose programs are just past the target (up to a quarter more: one full
 # wave and a sliver) splits in two, so that the second wave is not a few programs walking whole
 # contexts. At 144 requests of 1,060 keys (1,152 programs) two splits took 102.7 us against
 # 119.2 unsplit with an FP8 cache, 166.5 against 177.4 with bf16 (run 23's sweep); not yet
 # timed over a workload, so off: a switch so that a benchmark can run the engine each way.
 SPLIT_PAST_FULL_WAVE = False
+# Whether split decodes of several requests balance their keys (`paged_attention`'s
+# `split_programs`): every split owns the same run of key tiles, the step's tiles over
+# `BALANCED_WAVES` waves of programs, so a long request takes more splits than a short one and
+# the step does not wait on its longest requests' programs. Proportional splits (each request's
+# keys in `num_splits` runs) leave an FP8 step of one wave as long as its longest context: in W1
+# contexts run from 100 to 1,024 keys past the step, so the longest is 1.5x the mean mid-run.
+# Off: not yet timed on a GPU; a switch so that a benchmark can run the engine each way.
+BALANCE_SPLITS = False
+BALANCED_WAVES = {"model": 4.0, "fp8": 3.0}
+# Grid splits per request of a balanced decode: this many times the target's programs over the
+# step's (room for requests longer than the mean; a longer one lengthens every run instead).
+_BALANCED_GRID_SLACK = 2
+# The fewest key tiles a balanced split owns (below, the program's fixed cost dominates).
+_MIN_BALANCED_SPLIT_TILES = 2
+
+
+def _cache_kind(fp8: bool) -> str:
+    return "fp8" if fp8 else "model"
+
+
+def split_target_programs(device: torch.device, fp8: bool = False) -> int:
+    """Programs a split decode aims for on `device`: `SPLIT_WAVES` waves of the decode tile's
+    programs (`DECODE_PROGRAMS_PER_SM` on each multiprocessor)."""
+    kind = _cache_kind(fp8)
+    return max(1, round(SPLIT_WAVES[kind] * DECODE_PROGRAMS_PER_SM[kind] * multiprocessors(device)))
+
+
+def balanced_split_programs(device: torch.device, fp8: bool = False) -> int:
+    """Programs a balanced split decode spreads the step's key tiles over (`BALANCED_WAVES`)."""
+    kind = _cache_kind(fp8)
+    return max(
+        1, round(BALANCED_WAVES[kind] * DECODE_PROGRAMS_PER_SM[kind] * multiprocessors(device))
+    )
 
 
 def default_num_splits(
-    num_requests: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+    num_requests: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device,
+    fp8: bool = False,
 ) -> int:
-    """Key-range splits for a decode step: enough programs for about eight per multiprocessor
-    of a large GPU (`SPLIT_TARGET_PROGRAMS`), at most one split per 32-key tile (and two just
-    past the target with `SPLIT_PAST_FULL_WAVE`). Splits past the keys a step has do no work,
-    so a CUDA graph captured for `max_model_len` keeps short contexts cheap while long ones
-    spread out. Off a GPU (Triton's interpreter runs one program after another) splitting only
-    adds the merge pass: one split."""
+    """Key-range splits for a decode step (`fp8`: over an FP8 cache, whose tile fits more
+    programs per multiprocessor): enough programs for the target (`split_target_programs`), at
+    most one split per 32-key tile (and two just past the target with `SPLIT_PAST_FULL_WAVE`;
+    with `BALANCE_SPLITS` and several requests, room for balanced runs of key tiles). Splits
+    past the keys a step has do no work, so a CUDA graph captured for `max_model_len` keeps
+    short contexts cheap while long ones spread out. Off a GPU (Triton's interpreter runs one
+    program after another) splitting only adds the merge pass: one split."""
     if device.type != "cuda":
         return 1
     programs = max(num_requests * num_kv_heads, 1)
-    wanted = max(1, math.ceil(SPLIT_TARGET_PROGRAMS / programs))
-    if SPLIT_PAST_FULL_WAVE and SPLIT_TARGET_PROGRAMS < programs <= SPLIT_TARGET_PROGRAMS * 5 // 4:
-        wanted = 2
+    target = split_target_programs(device, fp8)
+    if BALANCE_SPLITS and num_requests > 1:
+        wanted = math.ceil(_BALANCED_GRID_SLACK * balanced_split_programs(device, fp8) / programs)
+    else:
+        wanted = max(1, math.ceil(target / programs))
+        if SPLIT_PAST_FULL_WAVE and target < programs <= target * 5 // 4:
+            wanted = 2
     return max(1, min(MAX_SPLITS, wanted, math.ceil(max_seq_len / _SPLIT_DECODE_BLOCK_N)))
 
 
@@ -342,8 +424,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
     queries_rotated: bool = False,
+    split_programs: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each request's new tokens over its paged keys and values.
+
+    `split_programs` (with `num_splits > 1`): balanced splits. Every split owns the same run of
+    key tiles, the step's tiles (all requests and KV heads) over about this many programs, at
+    least enough that `num_splits` runs cover the longest request; a request uses as many of
+    its splits as its keys fill. None: balanced with `balanced_split_programs` where
+    `BALANCE_SPLITS` is on, the step has several requests and runs on a GPU; otherwise each
+    request's keys in `num_splits` equal runs.
 
     `queries_rotated`: `q` is already `q @ H` (an FP8 cache whose keys are stored rotated;
     `kernels.layer_ops.qk_norm_rope(..., rotate_queries=True)` makes it), so the kernel does
@@ -371,6 +461,17 @@ def paged_attention(
             "queries_rotated: only an FP8 cache with a head dim that is a power of two in "
             f"[16, 256] stores rotated keys (cache {kv_cache.dtype}, head dim {head_dim})"
         )
+    if split_programs is not None and split_programs < 1:
+        raise ValueError(f"split_programs must be at least 1 (got {split_programs})")
+    if (
+        split_programs is None
+        and BALANCE_SPLITS
+        and num_splits > 1
+        and num_requests > 1
+        and q.device.type == "cuda"
+    ):
+        split_programs = balanced_split_programs(q.device, fp8)
+    balanced = num_splits > 1 and split_programs is not None
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     is_decode = max_query_len == 1
@@ -427,6 +528,8 @@ def paged_attention(
         block_tables.stride(0),
         kv_cache.stride(1),
         num_q_tiles,
+        num_requests,
+        split_programs if balanced else 1,
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -438,6 +541,8 @@ def paged_attention(
         BLOCK_D=block_d,
         PAGE=page,
         NUM_SPLITS=num_splits,
+        BALANCED=balanced,
+        MIN_SPLIT_TILES=_MIN_BALANCED_SPLIT_TILES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EARLY_V=is_decode and num_splits > 1,
         FP8=fp8,

@@ -81,8 +81,17 @@ def test_padding_rows_without_blocks_give_zeros(device: torch.device) -> None:
     assert _rel_err(out[:1], ref) < 1e-5
 
 
-def test_default_num_splits() -> None:
-    gpu = torch.device("cuda")
+@pytest.fixture
+def h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """A CUDA device of 132 multiprocessors (an H100/H200), for the split choice alone."""
+    from davit_engine.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "multiprocessors", lambda device: 132)
+    return torch.device("cuda")
+
+
+def test_default_num_splits(h200: torch.device) -> None:
+    gpu = h200
     assert default_num_splits(1, 8, 1280, gpu) == 16  # capped
     assert default_num_splits(1, 8, 300, gpu) == 10  # one split per 32-key tile
     assert default_num_splits(1, 8, 5, gpu) == 1
@@ -92,14 +101,33 @@ def test_default_num_splits() -> None:
     assert default_num_splits(90, 8, 2048, gpu) == 2  # 720 programs
     assert default_num_splits(132, 8, 2048, gpu) == 1  # 1,056 programs already
     assert default_num_splits(256, 8, 4096, gpu) == 1
+    for requests in (1, 16, 90, 132, 256):  # two waves of bf16's tile, one of FP8's: the same
+        assert default_num_splits(requests, 8, 2048, gpu, fp8=True) == default_num_splits(
+            requests, 8, 2048, gpu
+        )
 
 
-def test_split_past_a_full_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_targets_follow_the_device_and_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Targets are waves of the decode tile's programs on the device's multiprocessors."""
+    from davit_engine.kernels import paged_attention as pa
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(pa, "multiprocessors", lambda device: 66)
+    assert pa.split_target_programs(gpu) == pa.split_target_programs(gpu, fp8=True) == 528
+    assert default_num_splits(66, 8, 2048, gpu) == 1  # one target's worth on half the GPU
+    assert default_num_splits(45, 8, 2048, gpu) == 2
+    monkeypatch.setattr(pa, "SPLIT_WAVES", {"model": 2.0, "fp8": 2.0})
+    assert pa.split_target_programs(gpu, fp8=True) == 1056
+    assert default_num_splits(66, 8, 2048, gpu, fp8=True) == 2
+    assert default_num_splits(66, 8, 2048, gpu) == 1
+
+
+def test_split_past_a_full_wave(monkeypatch: pytest.MonkeyPatch, h200: torch.device) -> None:
     """`SPLIT_PAST_FULL_WAVE`: programs past the target by up to a quarter split in two; fewer
     or more, and a horizon of one key tile, as before."""
     from davit_engine.kernels import paged_attention as pa
 
-    gpu = torch.device("cuda")
+    gpu = h200
     assert default_num_splits(144, 8, 2048, gpu) == 1
     monkeypatch.setattr(pa, "SPLIT_PAST_FULL_WAVE", True)
     assert default_num_splits(144, 8, 2048, gpu) == 2  # 1,152 programs
@@ -108,6 +136,79 @@ def test_split_past_a_full_wave(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_num_splits(132, 8, 2048, gpu) == 1  # exactly the target
     assert default_num_splits(90, 8, 2048, gpu) == 2  # below the target: the target's rule
     assert default_num_splits(144, 8, 20, gpu) == 1  # one key tile
+
+
+def test_balanced_splits_leave_room_for_long_requests(
+    monkeypatch: pytest.MonkeyPatch, h200: torch.device
+) -> None:
+    """`BALANCE_SPLITS`: grids of twice the balanced target's programs over the step's (FP8: 3
+    waves of 8 per multiprocessor), one request as before, the horizon and the cap still
+    bound."""
+    from davit_engine.kernels import paged_attention as pa
+
+    gpu = h200
+    monkeypatch.setattr(pa, "BALANCE_SPLITS", True)
+    assert pa.balanced_split_programs(gpu, fp8=True) == 3168
+    assert default_num_splits(128, 8, 2048, gpu, fp8=True) == 7  # 2 x 3,168 / 1,024
+    assert default_num_splits(256, 8, 2048, gpu, fp8=True) == 4
+    assert default_num_splits(256, 8, 2048, gpu) == 3  # bf16: 4 waves of 4
+    assert default_num_splits(8, 8, 2048, gpu, fp8=True) == 16  # capped
+    assert default_num_splits(8, 8, 40, gpu, fp8=True) == 2  # one split per 32-key tile
+    assert default_num_splits(1, 8, 2048, gpu, fp8=True) == 16  # as proportional splits
+
+
+BALANCE_CASES = [
+    # (q_lens, seq_lens): decode rows of very different lengths; one long among short ones;
+    # rows of several tokens (speculative verification); a padding-like row of one key
+    ([1, 1, 1, 1], [3, 200, 17, 90]),
+    ([1] * 6, [9, 8, 7, 6, 5, 300]),
+    ([3, 1, 4], [40, 150, 12]),
+    ([1, 1], [1, 130]),
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", BALANCE_CASES)
+@pytest.mark.parametrize("num_splits,split_programs", [(2, 1), (3, 4), (8, 7), (5, 1000)])
+def test_balanced_splits_match_reference(
+    device: torch.device,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_splits: int,
+    split_programs: int,
+) -> None:
+    """Balanced splits (every split the same run of key tiles, at least enough runs to cover
+    the longest request, many splits without keys) give the attention of the reference: a few
+    programs (long runs, the covering bound), many (the two-tile floor)."""
+    torch.manual_seed(sum(seq_lens) + num_splits + split_programs)
+    q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(
+        q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, out=out,
+        split_programs=split_programs,
+    )  # fmt: skip
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_balanced_splits_over_an_fp8_cache(device: torch.device, dtype: torch.dtype) -> None:
+    torch.manual_seed(31)
+    q_lens, seq_lens = [1, 1, 1, 1, 1], [5, 260, 33, 1, 120]
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (4, 2), 16, 4, dtype
+    )
+    out = paged_attention(
+        q, cache, tables, lens, qsl, 1, 0.25, 6, kv_scale=kv_scale, split_programs=10
+    )
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_split_programs_must_be_positive(device: torch.device) -> None:
+    q, cache, tables, lens, qsl = _batch(device, [1], [9], (2, 1), 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="split_programs"):
+        paged_attention(q, cache, tables, lens, qsl, 1, 0.25, 2, split_programs=0)
 
 
 def test_many_splits_most_of_them_empty(device: torch.device) -> None:
@@ -279,6 +380,35 @@ def test_paged_attention_fp8_decode_rotated_queries_real_shapes(
     out = paged_attention(
         q_rot, cache, tables, lens, qsl, 1, 128**-0.5, num_splits, kv_scale=kv_scale,
         queries_rotated=True,
+    )  # fmt: skip
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
+    assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_splits", [3, 16])
+def test_balanced_splits_real_shapes(device: torch.device, fp8: bool, num_splits: int) -> None:
+    """Balanced split decodes as the engine launches them (`BALANCE_SPLITS`: the GPU's
+    balanced target) at real head shapes, contexts from 1 to 2,000 keys."""
+    from davit_engine.kernels import paged_attention as pa
+
+    torch.manual_seed(40 + num_splits)
+    seq_lens = torch.randint(1, 2000, (96,)).tolist()
+    programs = pa.balanced_split_programs(device, fp8)
+    if fp8:
+        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+            device, [1] * 96, seq_lens, (16, 8), 128, 16, torch.bfloat16
+        )
+        q_in = (q.float() @ hadamard(128, device)).to(torch.bfloat16)
+    else:
+        q, cache, tables, lens, qsl = _batch(
+            device, [1] * 96, seq_lens, (16, 8), 128, 16, torch.bfloat16
+        )
+        kv_scale, q_in = None, q
+    out = paged_attention(
+        q_in, cache, tables, lens, qsl, 1, 128**-0.5, num_splits, kv_scale=kv_scale,
+        queries_rotated=fp8, split_programs=programs,
     )  # fmt: skip
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
     assert _rel_err(out, ref) < 1e-2

@@ -198,3 +198,39 @@ def test_kernel_rows_are_built_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
                 "fp8_s3_us"):  # fmt: skip
         assert key in row, key
     assert row["splits"] == 2
+
+
+def test_w1_trajectory_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `w1-trajectory` row at tiny heads on the CPU (Triton's interpreter), each timing one
+    call and the split choice a GPU's stand-in (three splits): every way of splitting is
+    there, balanced included."""
+    from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench import timing
+
+    calls: list[int] = []
+
+    def once(fn: Any, replays: int) -> float:
+        fn()
+        calls.append(1)
+        return 2.0
+
+    monkeypatch.setattr(timing, "graph_us", once)
+    monkeypatch.setattr(fp8, "w1_decode_step", lambda step: [5, 40, 17])
+    monkeypatch.setattr(pa, "default_num_splits", lambda *args, **kwargs: 3)
+    monkeypatch.setattr(pa, "multiprocessors", lambda device: 4)
+    row = fp8._trajectory_row(7, device="cpu", heads=(4, 2, 16))
+    assert (row["step"], row["requests"], row["max_context"], row["mean_context"]) == (7, 3, 40, 21)
+    for key in ("bf16_us", "fp8_us", "fp8_2w_us", "bf16_bal_us", "fp8_bal_us", "bf16_mean_us",
+                "fp8_mean_us", "fp8_2w_mean_us"):  # fmt: skip
+        assert row[key] == 2.0, key
+    assert row["fp8_bal_splits"] == 3 and row["speedup"] == 1.0
+    assert len(calls) == 8
+    assert pa.BALANCE_SPLITS is False and pa.SPLIT_WAVES == {"model": 2.0, "fp8": 1.0}
+
+
+def test_w1_decode_steps_follow_the_workload() -> None:
+    inputs, outputs = fp8.W1().lengths()
+    first = fp8.w1_decode_step(0)
+    assert first == inputs  # every output is at least 100 tokens
+    later = fp8.w1_decode_step(500)
+    assert len(later) == sum(o > 500 for o in outputs) and min(later) >= 600

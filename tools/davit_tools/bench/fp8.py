@@ -28,6 +28,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   median over the first variant's (`w1-rounds`, `w2-rounds`);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
   `--rounds`): the prefill part of W1, prompt tokens per second;
+- `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
+  FP8, split as the engine does, FP8 at two waves, balanced, and at the mean context;
 - `w1-profile`: one W1 run per variant under the torch profiler: GPU busy time (the union of
   kernel intervals) and the largest kernels' totals;
 - `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess;
@@ -369,6 +371,106 @@ def section_attention(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+# W1 decode steps the trajectory section times (steps after the prompts: requests whose
+# output is longer are still running, each at its prompt plus the step's keys)
+W1_TRAJECTORY_STEPS = (50, 200, 350, 500, 650, 800, 950)
+
+
+def w1_decode_step(step: int) -> list[int]:
+    """The contexts of W1's running requests at decode step `step` (W1's own lengths)."""
+    inputs, outputs = W1().lengths()
+    return [i + step for i, o in zip(inputs, outputs, strict=True) if o > step]
+
+
+def _paged_batch(
+    contexts: list[int], hq: int, hkv: int, device: str, dim: int = 128, page: int = 16
+) -> tuple[torch.Tensor, ...]:
+    """Decode rows at `contexts` over a bf16 cache and its FP8 copy (blocks shuffled): q, the
+    two caches, the FP8 scales, block tables, lengths and query starts."""
+    from davit_engine.kernels.kv_cache import write_kv
+
+    batch = len(contexts)
+    blocks = [-(-c // page) for c in contexts]
+    num_blocks = sum(blocks)
+    order = torch.randperm(num_blocks, device=device, dtype=torch.int32)
+    tables = torch.full((batch, max(blocks)), -1, dtype=torch.int32, device=device)
+    start = 0
+    for r, n in enumerate(blocks):
+        tables[r, :n] = order[start : start + n]
+        start += n
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, dim, device=device, dtype=torch.bfloat16)
+    bf16 = torch.randn(2, num_blocks, page, hkv, dim, device=device, dtype=torch.bfloat16)
+    kv_scale = torch.full((2, hkv), 4.0 / 448, device=device)
+    fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)
+    flat = bf16.view(2, -1, hkv, dim)
+    write_kv(flat[0], flat[1], fp8, torch.arange(num_blocks * page, device=device), kv_scale)
+    return q, bf16, fp8, kv_scale, tables, lens, qsl
+
+
+def _trajectory_row(
+    step: int, device: str = "cuda", horizon: int = 2048, heads: tuple[int, int, int] = (16, 8, 128)
+) -> dict[str, Any]:
+    """Decode attention at one W1 step, its real spread of contexts, each way of splitting:
+    the engine's (proportional runs, `split_target_programs`), FP8 at two waves of its tile
+    (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles), and the step's contexts
+    all at their mean (`*_mean`: what a uniform-length timing would say). FP8 as the V2 runner
+    launches it, queries taken as rotated (the timing does not depend on their values)."""
+    from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench.timing import graph_us
+
+    contexts = w1_decode_step(step)
+    hq, hkv, dim = heads
+    dev = torch.device(device)
+    row: dict[str, Any] = {
+        "step": step, "requests": len(contexts), "mean_context": round(sum(contexts) / len(contexts)),
+        "max_context": max(contexts), "heads": f"{hq}/{hkv}x{dim}", "horizon": horizon,
+    }  # fmt: skip
+    mean = round(sum(contexts) / len(contexts))
+    for label, ctxs in (("", contexts), ("_mean", [mean] * len(contexts))):
+        q, bf16, fp8, kv_scale, tables, lens, qsl = _paged_batch(ctxs, hq, hkv, device, dim)
+        for cache_name, cache, scale in (("bf16", bf16, None), ("fp8", fp8, kv_scale)):
+            is_fp8 = scale is not None
+            waves = dict(pa.SPLIT_WAVES)
+            ways: list[tuple[str, int, int | None]] = [
+                ("", pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=is_fp8), None)
+            ]
+            if is_fp8:
+                pa.SPLIT_WAVES = {**waves, "fp8": 2 * waves["fp8"]}
+                try:
+                    ways.append(
+                        ("_2w", pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=True), None)
+                    )
+                finally:
+                    pa.SPLIT_WAVES = waves
+            if not label:
+                balance = pa.BALANCE_SPLITS
+                pa.BALANCE_SPLITS = True
+                try:
+                    grid = pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=is_fp8)
+                finally:
+                    pa.BALANCE_SPLITS = balance
+                ways.append(("_bal", grid, pa.balanced_split_programs(dev, is_fp8)))
+            for suffix, splits, programs in ways:
+                launch = functools.partial(
+                    pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits,
+                    kv_scale=scale, queries_rotated=is_fp8, split_programs=programs,
+                )  # fmt: skip
+                row[f"{cache_name}{suffix}{label}_us"] = round(graph_us(launch, 20), 2)
+                row[f"{cache_name}{suffix}{label}_splits"] = splits
+        del bf16, fp8
+        torch.cuda.empty_cache()
+    row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+    return row
+
+
+def section_w1_trajectory(args: argparse.Namespace) -> None:
+    """Decode attention along W1's run at its real contexts (`_trajectory_row`)."""
+    for step in W1_TRAJECTORY_STEPS:
+        record("w1-trajectory", **_trajectory_row(step))
+
+
 # ---- workloads ------------------------------------------------------------------------------------
 
 
@@ -404,11 +506,14 @@ VARIANTS = {
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "FUSE_FP8_GATE_ACTIVATION", False),),
     ),  # fmt: skip
-    # split decodes aiming at other program counts than the engine's 1,056 (528: four per
-    # multiprocessor, the target before run 23; 2,112: sixteen), and decodes just past one full
-    # wave of programs split in two (SPLIT_PAST_FULL_WAVE)
-    **_attention_variants("splits-528", "SPLIT_TARGET_PROGRAMS", 528),
-    **_attention_variants("splits-2112", "SPLIT_TARGET_PROGRAMS", 2112),
+    # split decodes aiming at other program counts than the engine's (on the H200 1,056 for
+    # both caches: `SPLIT_WAVES`): half (528, the target before run 23) or twice (2,112: two
+    # waves of the FP8 tile's programs, four of bf16's); decodes
+    # just past one full wave of programs split in two (SPLIT_PAST_FULL_WAVE); balanced splits
+    # (BALANCE_SPLITS: every split the same run of key tiles)
+    **_attention_variants("splits-528", "SPLIT_WAVES", {"model": 1.0, "fp8": 0.5}),
+    **_attention_variants("splits-2112", "SPLIT_WAVES", {"model": 4.0, "fp8": 2.0}),
+    **_attention_variants("balanced", "BALANCE_SPLITS", True),
     **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
 }
 
@@ -673,6 +778,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1": section_w1,
     "w1-prefill": section_w1_prefill,
     "w1-profile": section_w1_profile,
+    "w1-trajectory": section_w1_trajectory,
     "memory": section_memory,
     "quality": section_quality,
 }
@@ -690,6 +796,9 @@ _BRIEF = {
     "w1-prefill": ("variant", "round", "prefill_tok_s", "elapsed_s"),
     "w1-prefill-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
     "w1-profile": ("variant", "output_tok_s", "elapsed_s", "kernels"),
+    "w1-trajectory": ("step", "requests", "mean_context", "max_context", "bf16_us", "fp8_us",
+                      "fp8_2w_us", "bf16_bal_us", "fp8_bal_us", "bf16_mean_us", "fp8_mean_us",
+                      "fp8_splits", "fp8_2w_splits", "fp8_bal_splits", "speedup"),
     "w2-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
 }  # fmt: skip
 

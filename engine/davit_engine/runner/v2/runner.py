@@ -32,6 +32,7 @@ from davit_engine.kernels.input_prep import InputBuffers, prepare_inputs
 from davit_engine.kernels.paged_attention import default_num_splits
 from davit_engine.kernels.sampling import SamplingTable, sample
 from davit_engine.layers.attention import AttentionMetadata
+from davit_engine.layers.fp8 import is_fp8
 from davit_engine.loader import LoadedModel
 from davit_engine.memory.profiler import size_kv_cache
 from davit_engine.runner.paged_kv import (
@@ -455,7 +456,11 @@ class RunnerV2(PagedKvRunner):
         # Split keys as decode does (fixed per captured size): without, one program per row and
         # KV head walks the whole context, and the step costs several decode steps.
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-            num_rows, self.model_config.num_kv_heads, self.max_model_len, self.device
+            num_rows,
+            self.model_config.num_kv_heads,
+            self.max_model_len,
+            self.device,
+            fp8=is_fp8(self.kv_dtype),
         )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [T, hidden]
         if self.draft is not None:
@@ -491,7 +496,11 @@ class RunnerV2(PagedKvRunner):
             backend=self.backend,
         )
         meta.scratch[NUM_KV_SPLITS_KEY] = default_num_splits(
-            num_rows, self.model_config.num_kv_heads, horizon, self.device
+            num_rows,
+            self.model_config.num_kv_heads,
+            horizon,
+            self.device,
+            fp8=is_fp8(self.kv_dtype),
         )
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)  # [B, hidden]
         if self.draft is not None:
