@@ -64,6 +64,19 @@ def hadamard_tile(DIM: tl.constexpr, DTYPE: tl.constexpr):  # type: ignore[no-un
 
 
 @triton.jit
+def hadamard_operand(h_ptr, DIM: tl.constexpr, DTYPE: tl.constexpr, FROM_MEMORY: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The DIM x DIM Hadamard tile as a product operand: loaded from `h_ptr` (a contiguous
+    DIM x DIM matrix in DTYPE, `layers.fp8.hadamard`) with FROM_MEMORY, else made in registers
+    (`hadamard_tile`; `h_ptr` unused)."""
+    if FROM_MEMORY:
+        rows = tl.arange(0, DIM)[:, None]
+        cols = tl.arange(0, DIM)[None, :]
+        return tl.load(h_ptr + rows * DIM + cols)
+    else:
+        return hadamard_tile(DIM, DTYPE)
+
+
+@triton.jit
 def to_f16_saturated(x):  # type: ignore[no-untyped-def]
     """Activations or queries to fp16 for a product with e4m3 values widened to fp16, clamped to
     fp16's range (bf16 reaches further; a value beyond +-65504 would become infinite)."""

@@ -39,6 +39,7 @@ def store_token_kv(  # type: ignore[no-untyped-def]
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    h,  # [BLOCK_D, BLOCK_D] the Hadamard tile in k's dtype where ROTATE (else unused)
 ):
     """Store one token's keys and values at `slot` in the cache's layout (module docstring):
     shared by `write_kv` and the rotary kernel that writes the cache itself, so both store the
@@ -51,7 +52,7 @@ def store_token_kv(  # type: ignore[no-untyped-def]
         k_scale = tl.load(scale_ptr + heads, mask=head_valid, other=1.0)
         v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
         if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
-            k = tl.dot(k, hadamard_tile(BLOCK_D, k.dtype), input_precision=DOT_PRECISION)
+            k = tl.dot(k, h, input_precision=DOT_PRECISION)
         k = round_to_e4m3(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
         v = round_to_e4m3(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
     dst = cache_ptr + slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
@@ -99,9 +100,10 @@ def _write_kv_kernel(  # type: ignore[no-untyped-def]
         mask = (heads < num_heads) & (dims < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        h = hadamard_tile(BLOCK_D, k.dtype) if ROTATE else 0
         store_token_kv(
             k, v, cache_ptr, slot, scale_ptr, value_offset, num_heads, PAGE, HEAD_DIM, BLOCK_H,
-            BLOCK_D, FP8, ROTATE, DOT_PRECISION,
+            BLOCK_D, FP8, ROTATE, DOT_PRECISION, h,
         )  # fmt: skip
 
 

@@ -13,10 +13,38 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import hadamard_tile
+from davit_engine.kernels.fp8 import hadamard_operand
 from davit_engine.kernels.kv_cache import head_tile_rows, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
-from davit_engine.layers.fp8 import is_fp8, rotates_keys
+from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
+
+# The rotary kernel where it rotates (an FP8 cache's keys, and the queries for it): warps per
+# program, and whether the Hadamard tile is read from a matrix in memory (32 KB at a head dim of
+# 128 in bf16, in L2 after the first program) instead of made in registers. One program per
+# token leaves a decode step of 256 tokens under two programs per multiprocessor, so a
+# program's chain of instructions is what the step waits on. Compiled for sm_90 (Triton 3.6,
+# Qwen3-0.6B heads, queries rotated, cache written), registers and instructions per thread:
+# tile made in registers, 4 warps 148 and 2,320, 8 warps 92 and 1,552; read from memory, 4
+# warps 164 and 1,672, 8 warps 92 and 1,048 (bf16 cache, no rotation: 40 and 488). Not timed
+# on a GPU yet: module switches so that a benchmark can run the engine each way.
+ROTARY_FP8_NUM_WARPS = 4
+ROTARY_HADAMARD_FROM_MEMORY = False
+_HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
+
+
+def _hadamard_in_memory(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The Hadamard matrix for `hadamard_operand`, made once per device and dtype; None where
+    it would have to be made inside a CUDA graph capture (a copy from the host cannot be
+    captured: the kernel makes the tile in registers instead). The V2 runner's eager warm-up
+    makes it before its capture."""
+    key = (dim, dtype, device.type, device.index)
+    matrix = _HADAMARD.get(key)
+    if matrix is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        matrix = hadamard(dim, device, dtype).contiguous()
+        _HADAMARD[key] = matrix
+    return matrix
 
 
 @triton.jit
@@ -231,6 +259,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     cos_ptr,
     sin_ptr,
     scale_ptr,
+    h_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -252,6 +281,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ROTATE_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    H_FROM_MEMORY: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -268,9 +298,11 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
+    # one Hadamard tile for the queries' and the keys' products
+    h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
         q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
-        q = tl.dot(q, hadamard_tile(2 * HALF, dtype), input_precision=DOT_PRECISION)
+        q = tl.dot(q, h, input_precision=DOT_PRECISION)
         q_heads = tl.arange(0, BLOCK_HQ)[:, None]
         q_dims = tl.arange(0, 2 * HALF)[None, :]
         tl.store(q_dst + q_heads * 2 * HALF + q_dims, q.to(dtype), mask=q_heads < num_q_heads)
@@ -292,7 +324,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
                 k = _join_halves(k1, k2, BLOCK_HK, HALF)
                 store_token_kv(
                     k.to(dtype), v, cache_ptr, slot, scale_ptr, value_offset, num_k_heads, PAGE,
-                    2 * HALF, BLOCK_HK, 2 * HALF, True, ROTATE, DOT_PRECISION,
+                    2 * HALF, BLOCK_HK, 2 * HALF, True, ROTATE, DOT_PRECISION, h,
                 )  # fmt: skip
             else:
                 k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
@@ -354,6 +386,9 @@ def qk_norm_rope(
         assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
     rotate = fp8 and rotates_keys(dim)
     has_norm = q_weight is not None and k_weight is not None
+    h_matrix = None
+    if (rotate or rotate_queries) and ROTARY_HADAMARD_FROM_MEMORY:
+        h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         k,
@@ -367,6 +402,7 @@ def qk_norm_rope(
         cos,
         sin,
         kv_scale if fp8 else cos,
+        h_matrix if h_matrix is not None else q,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -388,7 +424,8 @@ def qk_norm_rope(
         ROTATE=rotate,
         ROTATE_Q=rotate_queries,
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        H_FROM_MEMORY=h_matrix is not None,
+        num_warps=ROTARY_FP8_NUM_WARPS if rotate or rotate_queries else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
     )

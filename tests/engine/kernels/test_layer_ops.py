@@ -192,6 +192,45 @@ def test_qk_norm_rope_rotates_queries(
     assert not torch.allclose(q_rot.float(), q_plain.float(), rtol=0.1, atol=0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("from_memory", "warps"), [(True, 4), (False, 8), (True, 8)])
+def test_rotary_launch_switches_store_the_same_bytes(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    from_memory: bool,
+    warps: int,
+) -> None:
+    """The Hadamard tile read from memory (`ROTARY_HADAMARD_FROM_MEMORY`) and 8 warps per
+    program (`ROTARY_FP8_NUM_WARPS`) give the rotated queries and the FP8 cache bytes of the
+    default launch (tile made in registers, 4 warps)."""
+    from davit_engine.kernels import layer_ops
+
+    torch.manual_seed(12)
+    dim, heads, kv_heads, page, blocks = 16, 4, 2, 4, 5
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, [0, 5, 9, 2, 3], heads, kv_heads, 3.0)
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
+    slots = torch.tensor([3, 17, -1, 0, 9], dtype=torch.int64, device=device)
+    kv_scale = torch.tensor([[0.05, 0.2], [0.01, 0.3]], device=device)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
+        q_rot, _ = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+        )  # fmt: skip
+        return q_rot, cache.view(torch.uint8)
+
+    q_default, cache_default = run()
+    monkeypatch.setattr(layer_ops, "ROTARY_HADAMARD_FROM_MEMORY", from_memory)
+    monkeypatch.setattr(layer_ops, "ROTARY_FP8_NUM_WARPS", warps)
+    monkeypatch.setattr(layer_ops, "_HADAMARD", {})
+    q_switched, cache_switched = run()
+    assert bool(layer_ops._HADAMARD) == from_memory
+    assert torch.equal(q_switched, q_default) and torch.equal(cache_switched, cache_default)
+    assert bool((cache_default != 0).any())
+
+
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
     device: torch.device,
 ) -> None:

@@ -23,7 +23,9 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
   instead of in the gate/up product's), decode tok/s
   against each one's bandwidth floor, and whether the greedy tokens agree;
-- `w1`: W1 the same way, bf16 then an FP8 KV cache; with `--rounds N` both W1 and W2 run
+- `w1`: W1 the same way, bf16 then an FP8 KV cache (`--w1-variants`: also split targets
+  `*-splits-528` / `*-splits-2112`, `*-split-past-wave`, balanced splits `*-balanced`, and the
+  FP8 rotary kernel's launch `fp8-kv-rotary-{8w,hmem,8w-hmem}`); with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
@@ -515,6 +517,21 @@ VARIANTS = {
     **_attention_variants("splits-2112", "SPLIT_WAVES", {"model": 4.0, "fp8": 2.0}),
     **_attention_variants("balanced", "BALANCE_SPLITS", True),
     **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
+    # the FP8 cache's rotary kernel at 8 warps per program, with the Hadamard tile read from
+    # memory, and both (layer_ops.ROTARY_FP8_NUM_WARPS, ROTARY_HADAMARD_FROM_MEMORY)
+    **{
+        f"fp8-kv-rotary-{suffix}": Variant(
+            f"fp8-kv-rotary-{suffix}",
+            None,
+            "fp8",
+            tuple(("davit_engine.kernels.layer_ops", name, value) for name, value in switches),
+        )
+        for suffix, switches in (
+            ("8w", (("ROTARY_FP8_NUM_WARPS", 8),)),
+            ("hmem", (("ROTARY_HADAMARD_FROM_MEMORY", True),)),
+            ("8w-hmem", (("ROTARY_FP8_NUM_WARPS", 8), ("ROTARY_HADAMARD_FROM_MEMORY", True))),
+        )
+    },
 }
 
 
