@@ -192,26 +192,28 @@ def test_qk_norm_rope_rotates_queries(
     assert not torch.allclose(q_rot.float(), q_plain.float(), rtol=0.1, atol=0.1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("from_memory", "warps"), [(True, 4), (False, 8), (True, 8)])
-def test_rotary_launch_switches_store_the_same_bytes(
+def _rotary_switch_case(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
     from_memory: bool,
     warps: int,
+    shape: tuple[int, int, int, int],
 ) -> None:
-    """The Hadamard tile read from memory (`ROTARY_HADAMARD_FROM_MEMORY`) and 8 warps per
-    program (`ROTARY_FP8_NUM_WARPS`) give the rotated queries and the FP8 cache bytes of the
-    default launch (tile made in registers, 4 warps)."""
+    """The rotary kernel with the FP8 cache, default launch against the switched one
+    (`shape`: tokens, query heads, KV heads, head dim): equal rotated queries and cache bytes."""
     from davit_engine.kernels import layer_ops
 
     torch.manual_seed(12)
-    dim, heads, kv_heads, page, blocks = 16, 4, 2, 4, 5
-    cos, sin, q, k, v = _rope_case(device, dtype, dim, [0, 5, 9, 2, 3], heads, kv_heads, 3.0)
+    tokens, heads, kv_heads, dim = shape
+    page = 16
+    blocks = -(-tokens // page) + 2
+    positions = torch.randint(0, 12, (tokens,)).tolist()
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
-    slots = torch.tensor([3, 17, -1, 0, 9], dtype=torch.int64, device=device)
-    kv_scale = torch.tensor([[0.05, 0.2], [0.01, 0.3]], device=device)
+    slots = torch.randperm(blocks * page, device=device)[:tokens]
+    slots[tokens // 3] = -1  # a padding row
+    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous()
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
@@ -229,6 +231,33 @@ def test_rotary_launch_switches_store_the_same_bytes(
     assert bool(layer_ops._HADAMARD) == from_memory
     assert torch.equal(q_switched, q_default) and torch.equal(cache_switched, cache_default)
     assert bool((cache_default != 0).any())
+
+
+SWITCHES = [(True, 4), (False, 8), (True, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("from_memory", "warps"), SWITCHES)
+def test_rotary_launch_switches_store_the_same_bytes(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    from_memory: bool,
+    warps: int,
+) -> None:
+    """The Hadamard tile read from memory (`ROTARY_HADAMARD_FROM_MEMORY`) and 8 warps per
+    program (`ROTARY_FP8_NUM_WARPS`) give the rotated queries and the FP8 cache bytes of the
+    default launch (tile made in registers, 4 warps)."""
+    _rotary_switch_case(device, monkeypatch, dtype, from_memory, warps, (5, 4, 2, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("from_memory", "warps"), SWITCHES)
+def test_rotary_launch_switches_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, from_memory: bool, warps: int
+) -> None:
+    """The same at a W1 decode step on the GPU: 256 tokens, Qwen3-0.6B heads, bf16."""
+    _rotary_switch_case(device, monkeypatch, torch.bfloat16, from_memory, warps, (256, 16, 8, 128))
 
 
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(

@@ -411,12 +411,30 @@ def _paged_batch(
     return q, bf16, fp8, kv_scale, tables, lens, qsl
 
 
+def _balanced_launch(
+    requests: int, hkv: int, horizon: int, device: torch.device, fp8: bool, waves: float
+) -> tuple[int, int]:
+    """(grid splits, programs) of a balanced split decode at `waves` waves of the tile's
+    programs, as the engine would launch it with `BALANCE_SPLITS` on."""
+    from davit_engine.kernels import paged_attention as pa
+
+    saved = (pa.BALANCE_SPLITS, pa.BALANCED_WAVES)
+    pa.BALANCE_SPLITS = True
+    pa.BALANCED_WAVES = {**pa.BALANCED_WAVES, pa._cache_kind(fp8): waves}
+    try:
+        grid = pa.default_num_splits(requests, hkv, horizon, device, fp8=fp8)
+        return grid, pa.balanced_split_programs(device, fp8)
+    finally:
+        pa.BALANCE_SPLITS, pa.BALANCED_WAVES = saved
+
+
 def _trajectory_row(
     step: int, device: str = "cuda", horizon: int = 2048, heads: tuple[int, int, int] = (16, 8, 128)
 ) -> dict[str, Any]:
     """Decode attention at one W1 step, its real spread of contexts, each way of splitting:
     the engine's (proportional runs, `split_target_programs`), FP8 at two waves of its tile
-    (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles), and the step's contexts
+    (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles; `*_bal{N}` at N waves of
+    the tile's programs instead of the engine's `BALANCED_WAVES`), and the step's contexts
     all at their mean (`*_mean`: what a uniform-length timing would say). FP8 as the V2 runner
     launches it, queries taken as rotated (the timing does not depend on their values)."""
     from davit_engine.kernels import paged_attention as pa
@@ -446,14 +464,13 @@ def _trajectory_row(
                     )
                 finally:
                     pa.SPLIT_WAVES = waves
-            if not label:
-                balance = pa.BALANCE_SPLITS
-                pa.BALANCE_SPLITS = True
-                try:
-                    grid = pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=is_fp8)
-                finally:
-                    pa.BALANCE_SPLITS = balance
-                ways.append(("_bal", grid, pa.balanced_split_programs(dev, is_fp8)))
+            if not label:  # balanced at the engine's waves, and at the other of 2, 3, 4
+                default_waves = pa.BALANCED_WAVES[pa._cache_kind(is_fp8)]
+                for count in (default_waves, *(w for w in (2.0, 3.0, 4.0) if w != default_waves)):
+                    suffix = "_bal" if count == default_waves else f"_bal{count:g}"
+                    ways.append(
+                        (suffix, *_balanced_launch(len(ctxs), hkv, horizon, dev, is_fp8, count))
+                    )
             for suffix, splits, programs in ways:
                 launch = functools.partial(
                     pa.paged_attention, q, cache, tables, lens, qsl, 1, dim**-0.5, splits,
@@ -814,7 +831,8 @@ _BRIEF = {
     "w1-prefill-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
     "w1-profile": ("variant", "output_tok_s", "elapsed_s", "kernels"),
     "w1-trajectory": ("step", "requests", "mean_context", "max_context", "bf16_us", "fp8_us",
-                      "fp8_2w_us", "bf16_bal_us", "fp8_bal_us", "bf16_mean_us", "fp8_mean_us",
+                      "fp8_2w_us", "bf16_bal_us", "fp8_bal_us", "fp8_bal2_us", "fp8_bal4_us",
+                      "bf16_mean_us", "fp8_mean_us",
                       "fp8_splits", "fp8_2w_splits", "fp8_bal_splits", "speedup"),
     "w2-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
 }  # fmt: skip
