@@ -358,7 +358,10 @@ SPLIT_PAST_FULL_WAVE = False
 # contexts run from 100 to 1,024 keys past the step, so the longest is 1.5x the mean mid-run.
 # Off: not yet timed on a GPU; a switch so that a benchmark can run the engine each way.
 BALANCE_SPLITS = False
-BALANCED_WAVES = {"model": 4.0, "fp8": 3.0}
+# Waves per cache kind: the best of 2, 3 and 4 for both in the list-scheduling model of W1
+# (`python -m davit_tools.bench.split_model`: FP8 -14.6%, bf16 -5.5% against the engine's
+# proportional splits; bench notes, between runs 23 and 24).
+BALANCED_WAVES = {"model": 3.0, "fp8": 3.0}
 # Grid splits per request of a balanced decode: this many times the target's programs over the
 # step's (room for requests longer than the mean; a longer one lengthens every run instead).
 _BALANCED_GRID_SLACK = 2
