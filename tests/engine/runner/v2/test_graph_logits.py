@@ -159,3 +159,25 @@ def test_captured_graphs_share_the_buffer(loaded: LoadedModel) -> None:
     lengths = [5, 9, 3, 11, 7]
     assert _generate(runner, config, lengths) == _generate(eager, config, lengths)
     assert runner.num_graph_steps > 0
+
+
+@pytest.mark.gpu
+def test_balanced_split_graphs_keep_the_tokens(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs captured with balanced split decodes (`BALANCE_SPLITS`: runs computed on the GPU
+    from each replay's lengths) decode the tokens of the eager runner with proportional
+    splits, over prompts of very different lengths."""
+    from davit_engine.kernels import paged_attention
+
+    config = _config()
+    eager = RunnerV2(config, loaded, DEVICE)
+    eager.use_graphs = False
+    eager.initialize_kv_cache(NUM_BLOCKS)
+    lengths = [5, 9, 3, 11, 7, 40, 60]
+    expected = _generate(eager, config, lengths)
+    monkeypatch.setattr(paged_attention, "BALANCE_SPLITS", True)
+    runner = RunnerV2(config, loaded, DEVICE)
+    runner.initialize_kv_cache(NUM_BLOCKS)
+    assert _generate(runner, config, lengths) == expected
+    assert runner.num_graph_steps > 0
