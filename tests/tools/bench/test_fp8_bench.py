@@ -236,3 +236,34 @@ def test_w1_decode_steps_follow_the_workload() -> None:
     assert first == inputs  # every output is at least 100 tokens
     later = fp8.w1_decode_step(500)
     assert len(later) == sum(o > 500 for o in outputs) and min(later) >= 600
+
+
+def test_launch_groups_split_a_kernel_by_launch_shape() -> None:
+    """Launches of the grouped kernels by (grid, block, registers, shared memory), largest
+    total first; other kernels, CPU events and events without a duration are left out."""
+    attention = "_paged_attention_kernel"
+
+    def kernel(name: str, dur: float, grid: list[int], regs: int = 128) -> dict[str, Any]:
+        args = {"grid": grid, "block": [64, 1, 1], "registers per thread": regs,
+                "shared memory": 22528}  # fmt: skip
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            kernel(attention, 100.0, [256, 8, 1]),
+            kernel(attention, 50.0, [144, 8, 2]),
+            kernel(attention, 120.0, [256, 8, 1]),
+            kernel("_qk_norm_rope_kernel", 9.0, [256, 1, 1], regs=164),
+            kernel("ampere_bf16_gemm", 500.0, [8, 8, 1]),
+            {"ph": "X", "cat": "cpu_op", "name": attention, "dur": 1e6},
+            {"ph": "i", "cat": "kernel", "name": attention},
+        ]
+    }
+    groups = fp8.launch_groups(trace)
+    assert groups[attention] == [
+        [[256, 8, 1], [64, 1, 1], 128, 22528, 0.00022, 2],
+        [[144, 8, 2], [64, 1, 1], 128, 22528, 5e-05, 1],
+    ]
+    assert groups["_qk_norm_rope_kernel"] == [[[256, 1, 1], [64, 1, 1], 164, 22528, 9e-06, 1]]
+    assert groups["_merge_splits_kernel"] == []
+    assert fp8.launch_groups({}) == {name: [] for name in fp8.GROUPED_KERNELS}

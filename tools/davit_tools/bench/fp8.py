@@ -33,7 +33,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
 - `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
   FP8, split as the engine does, FP8 at two waves, balanced, and at the mean context;
 - `w1-profile`: one W1 run per variant under the torch profiler: GPU busy time (the union of
-  kernel intervals) and the largest kernels' totals;
+  kernel intervals), the largest kernels' totals, and the attention, rotary and merge
+  kernels' launches grouped by launch shape (`launch_groups`);
 - `memory`: `davit_tools.bench.memory_check` with `--kv-cache-dtype fp8` in a subprocess;
 - `quality`: the quality figures of `tests/engine/quant/test_quality_smollm2.py` on this GPU
   (SmolLM2-135M from `--smollm2-gguf`, bf16, the GPU kernels: Triton attention, the FP8
@@ -611,6 +612,7 @@ def _run_workload(
                 res = _engine_loop(core, requests)
                 torch.cuda.synchronize()
             res["kernels"] = kernel_figures(_kernel_spans(prof))
+            res["launch_groups"] = _trace_launch_groups(prof)
         else:
             res = _engine_loop(core, requests)
         memory = core.memory_profile
@@ -663,6 +665,58 @@ def kernel_figures(spans: list[tuple[str, float, float]], top: int = 20) -> dict
         "sum_s": round(sum(t for t, _ in totals.values()) / 1e6, 6),
         "top": [[name, round(t / 1e6, 6), int(n)] for name, (t, n) in ranked],
     }
+
+
+# Kernels whose launches the profile groups by launch shape (`launch_groups`)
+GROUPED_KERNELS = ("_paged_attention_kernel", "_qk_norm_rope_kernel", "_merge_splits_kernel")
+
+
+def launch_groups(
+    trace: dict[str, Any], names: tuple[str, ...] = GROUPED_KERNELS, top: int = 40
+) -> dict[str, list[list[Any]]]:
+    """Per kernel of `names`, its launches grouped by launch shape from a chrome trace (the
+    torch profiler's: kernel events carry grid, block, registers per thread and shared
+    memory): [grid, block, registers, shared bytes, total seconds, launches], the `top` groups
+    by total time. The decode attention's grid is (requests x query tiles, KV heads, splits),
+    so its groups show where a run's attention time goes by batch size and split count."""
+    groups: dict[str, dict[tuple[Any, ...], list[float]]] = {name: {} for name in names}
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel" or "dur" not in event:
+            continue
+        name = next((n for n in names if n in str(event.get("name", ""))), None)
+        if name is None:
+            continue
+        args = event.get("args", {})
+        key = (
+            tuple(args.get("grid", ())),
+            tuple(args.get("block", ())),
+            args.get("registers per thread"),
+            args.get("shared memory"),
+        )
+        entry = groups[name].setdefault(key, [0.0, 0])
+        entry[0] += float(event["dur"])
+        entry[1] += 1
+    return {
+        name: [
+            [list(grid), list(block), regs, smem, round(total / 1e6, 6), int(count)]
+            for (grid, block, regs, smem), (total, count) in sorted(
+                found.items(), key=lambda item: -item[1][0]
+            )[:top]
+        ]
+        for name, found in groups.items()
+    }
+
+
+def _trace_launch_groups(prof: Any) -> dict[str, list[list[Any]]]:
+    """`launch_groups` of a finished torch profiler run (its chrome trace through a
+    temporary file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        with path.open() as f:
+            return launch_groups(json.load(f))
 
 
 def rounds_summary(figures: dict[str, list[float]]) -> list[dict[str, Any]]:
