@@ -25,7 +25,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache (`--w1-variants`: also split targets
   `*-splits-528` / `*-splits-2112`, `*-split-past-wave`, balanced splits `*-balanced`, and the
-  FP8 rotary kernel's launch `fp8-kv-rotary-{8w,hmem,8w-hmem}`); with `--rounds N` both W1 and W2 run
+  FP8 rotary kernel's launch `fp8-kv-rotary-{8w,hmem,8w-hmem}`, and balanced with both rotary
+  switches `fp8-kv-balanced-rotary-8w-hmem`); with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
@@ -550,6 +551,17 @@ VARIANTS = {
             ("8w-hmem", (("ROTARY_FP8_NUM_WARPS", 8), ("ROTARY_HADAMARD_FROM_MEMORY", True))),
         )
     },
+    # balanced splits and the rotary kernel's two switches together
+    "fp8-kv-balanced-rotary-8w-hmem": Variant(
+        "fp8-kv-balanced-rotary-8w-hmem",
+        None,
+        "fp8",
+        (
+            ("davit_engine.kernels.paged_attention", "BALANCE_SPLITS", True),
+            ("davit_engine.kernels.layer_ops", "ROTARY_FP8_NUM_WARPS", 8),
+            ("davit_engine.kernels.layer_ops", "ROTARY_HADAMARD_FROM_MEMORY", True),
+        ),
+    ),
 }
 
 
