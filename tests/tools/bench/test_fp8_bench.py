@@ -225,6 +225,8 @@ def test_w1_trajectory_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
                 "fp8_bal4_us"):  # fmt: skip
         assert row[key] == 2.0, key
     assert row["fp8_bal_splits"] == 3 and row["speedup"] == 1.0
+    # the model's figure beside each timing: balanced runs cut the longest program
+    assert row["fp8_model"] > 0 and row["fp8_bal_model"] <= row["fp8_model"]
     assert len(calls) == 12
     assert pa.BALANCE_SPLITS is False and pa.SPLIT_WAVES == {"model": 2.0, "fp8": 1.0}
     assert pa.BALANCED_WAVES == {"model": 3.0, "fp8": 3.0}

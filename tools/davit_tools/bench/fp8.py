@@ -430,6 +430,23 @@ def _balanced_launch(
         pa.BALANCE_SPLITS, pa.BALANCED_WAVES = saved
 
 
+def _split_model_units(
+    contexts: list[int], hkv: int, splits: int, programs: int | None, fp8: bool,
+    device: torch.device,
+) -> float:  # fmt: skip
+    """The split model's figure for one launch (`davit_tools.bench.split_model`, its default
+    costs), in thousands of key units: beside each timing, so that a run can fit the model's
+    per-program cost."""
+    from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench import split_model
+
+    block_n = 64 if splits <= 8 or fp8 else 32
+    keys = split_model.program_keys(contexts, hkv, splits, block_n, programs)
+    slots = pa.DECODE_PROGRAMS_PER_SM[pa._cache_kind(fp8)] * pa.multiprocessors(device)
+    units = split_model.makespan(keys, slots, 80.0, 20.0) + (20.0 if splits > 1 else 0.0)
+    return round(units / 1e3, 3)
+
+
 def _trajectory_row(
     step: int, device: str = "cuda", horizon: int = 2048, heads: tuple[int, int, int] = (16, 8, 128)
 ) -> dict[str, Any]:
@@ -437,7 +454,8 @@ def _trajectory_row(
     the engine's (proportional runs, `split_target_programs`), FP8 at two waves of its tile
     (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles; `*_bal{N}` at N waves of
     the tile's programs instead of the engine's `BALANCED_WAVES`), and the step's contexts
-    all at their mean (`*_mean`: what a uniform-length timing would say). FP8 as the V2 runner
+    all at their mean (`*_mean`: what a uniform-length timing would say); beside each timing
+    the split model's figure for the launch (`*_model`). FP8 as the V2 runner
     launches it, queries taken as rotated (the timing does not depend on their values)."""
     from davit_engine.kernels import paged_attention as pa
     from davit_tools.bench.timing import graph_us
@@ -480,6 +498,9 @@ def _trajectory_row(
                 )  # fmt: skip
                 row[f"{cache_name}{suffix}{label}_us"] = round(graph_us(launch, 20), 2)
                 row[f"{cache_name}{suffix}{label}_splits"] = splits
+                row[f"{cache_name}{suffix}{label}_model"] = _split_model_units(
+                    ctxs, hkv, splits, programs, is_fp8, dev
+                )
         del bf16, fp8
         torch.cuda.empty_cache()
     row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
