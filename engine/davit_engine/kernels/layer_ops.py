@@ -386,8 +386,9 @@ def qk_norm_rope(
         assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
     rotate = fp8 and rotates_keys(dim)
     has_norm = q_weight is not None and k_weight is not None
+    rotates = rotate or rotate_queries  # the launch takes the Hadamard tile
     h_matrix = None
-    if (rotate or rotate_queries) and ROTARY_HADAMARD_FROM_MEMORY:
+    if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
@@ -425,7 +426,7 @@ def qk_norm_rope(
         ROTATE_Q=rotate_queries,
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         H_FROM_MEMORY=h_matrix is not None,
-        num_warps=ROTARY_FP8_NUM_WARPS if rotate or rotate_queries else 4,
+        num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
     )

@@ -373,19 +373,22 @@ def _cache_kind(fp8: bool) -> str:
     return "fp8" if fp8 else "model"
 
 
+def _programs_in_waves(waves: dict[str, float], device: torch.device, fp8: bool) -> int:
+    """`waves[kind]` waves of the decode tile's programs (`DECODE_PROGRAMS_PER_SM` on each of
+    `device`'s multiprocessors), at least one."""
+    kind = _cache_kind(fp8)
+    return max(1, round(waves[kind] * DECODE_PROGRAMS_PER_SM[kind] * multiprocessors(device)))
+
+
 def split_target_programs(device: torch.device, fp8: bool = False) -> int:
     """Programs a split decode aims for on `device`: `SPLIT_WAVES` waves of the decode tile's
-    programs (`DECODE_PROGRAMS_PER_SM` on each multiprocessor)."""
-    kind = _cache_kind(fp8)
-    return max(1, round(SPLIT_WAVES[kind] * DECODE_PROGRAMS_PER_SM[kind] * multiprocessors(device)))
+    programs."""
+    return _programs_in_waves(SPLIT_WAVES, device, fp8)
 
 
 def balanced_split_programs(device: torch.device, fp8: bool = False) -> int:
     """Programs a balanced split decode spreads the step's key tiles over (`BALANCED_WAVES`)."""
-    kind = _cache_kind(fp8)
-    return max(
-        1, round(BALANCED_WAVES[kind] * DECODE_PROGRAMS_PER_SM[kind] * multiprocessors(device))
-    )
+    return _programs_in_waves(BALANCED_WAVES, device, fp8)
 
 
 def default_num_splits(

@@ -302,20 +302,9 @@ def _attention_shape(
     from davit_engine.kernels.kv_cache import write_kv
     from davit_tools.bench.timing import graph_us
 
-    page, dim = 16, 128
-    blocks_per = -(-ctx // page)
-    num_blocks = batch * blocks_per
-    tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    q = torch.randn(batch, hq, dim, device=device, dtype=torch.bfloat16)
+    dim = 128
+    q, bf16, fp8, kv_scale, tables, lens, qsl = _paged_batch([ctx] * batch, hq, hkv, device, dim)
     splits = splits or pa.default_num_splits(batch, hkv, ctx, q.device)
-    bf16 = torch.randn(2, num_blocks, page, hkv, dim, device=device, dtype=torch.bfloat16)
-    kv_scale = torch.full((2, hkv), 4.0 / 448, device=device)
-    fp8 = torch.empty_like(bf16, dtype=torch.float8_e4m3fn)
-    slots = torch.arange(num_blocks * page, device=device)
-    flat = bf16.view(2, -1, hkv, dim)
-    write_kv(flat[0], flat[1], fp8, slots, kv_scale)
     row: dict[str, Any] = {"shape": label, "batch": batch, "context": ctx,
                            "heads": f"{hq}/{hkv}x{dim}", "splits": splits}  # fmt: skip
     kv_bytes = batch * ctx * hkv * dim * 2
@@ -355,12 +344,11 @@ def _attention_shape(
             launch = attend(cache, scale, other, queries_rotated=rotated)
             row[f"{name}_s{other}_us"] = round(graph_us(launch, 20), 2)
     k_new = torch.randn(batch, hkv, dim, device=device, dtype=torch.bfloat16)
+    slots = torch.arange(batch, device=device)  # the first slots: one new token per request
     row["write_fp8_us"] = round(
-        graph_us(lambda: write_kv(k_new, k_new, fp8, slots[:batch], kv_scale), 20), 2
+        graph_us(lambda: write_kv(k_new, k_new, fp8, slots, kv_scale), 20), 2
     )
-    row["write_bf16_us"] = round(
-        graph_us(lambda: write_kv(k_new, k_new, bf16, slots[:batch]), 20), 2
-    )
+    row["write_bf16_us"] = round(graph_us(lambda: write_kv(k_new, k_new, bf16, slots), 20), 2)
     return row
 
 
@@ -418,16 +406,11 @@ def _balanced_launch(
 ) -> tuple[int, int]:
     """(grid splits, programs) of a balanced split decode at `waves` waves of the tile's
     programs, as the engine would launch it with `BALANCE_SPLITS` on."""
-    from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench.split_model import engine_settings
 
-    saved = (pa.BALANCE_SPLITS, pa.BALANCED_WAVES)
-    pa.BALANCE_SPLITS = True
-    pa.BALANCED_WAVES = {**pa.BALANCED_WAVES, pa._cache_kind(fp8): waves}
-    try:
+    with engine_settings(fp8, balanced=waves) as pa:
         grid = pa.default_num_splits(requests, hkv, horizon, device, fp8=fp8)
         return grid, pa.balanced_split_programs(device, fp8)
-    finally:
-        pa.BALANCE_SPLITS, pa.BALANCED_WAVES = saved
 
 
 def _split_model_units(
@@ -440,10 +423,9 @@ def _split_model_units(
     from davit_engine.kernels import paged_attention as pa
     from davit_tools.bench import split_model
 
-    block_n = 64 if splits <= 8 or fp8 else 32
-    keys = split_model.program_keys(contexts, hkv, splits, block_n, programs)
-    slots = pa.DECODE_PROGRAMS_PER_SM[pa._cache_kind(fp8)] * pa.multiprocessors(device)
-    units = split_model.makespan(keys, slots, 80.0, 20.0) + (20.0 if splits > 1 else 0.0)
+    units = split_model.launch_units(
+        contexts, hkv, splits, programs, fp8, pa.multiprocessors(device), 80.0, 20.0, 20.0
+    )
     return round(units / 1e3, 3)
 
 
@@ -458,32 +440,29 @@ def _trajectory_row(
     the split model's figure for the launch (`*_model`). FP8 as the V2 runner
     launches it, queries taken as rotated (the timing does not depend on their values)."""
     from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench.split_model import engine_settings
     from davit_tools.bench.timing import graph_us
 
     contexts = w1_decode_step(step)
     hq, hkv, dim = heads
     dev = torch.device(device)
+    mean = round(sum(contexts) / len(contexts))
     row: dict[str, Any] = {
-        "step": step, "requests": len(contexts), "mean_context": round(sum(contexts) / len(contexts)),
+        "step": step, "requests": len(contexts), "mean_context": mean,
         "max_context": max(contexts), "heads": f"{hq}/{hkv}x{dim}", "horizon": horizon,
     }  # fmt: skip
-    mean = round(sum(contexts) / len(contexts))
     for label, ctxs in (("", contexts), ("_mean", [mean] * len(contexts))):
         q, bf16, fp8, kv_scale, tables, lens, qsl = _paged_batch(ctxs, hq, hkv, device, dim)
         for cache_name, cache, scale in (("bf16", bf16, None), ("fp8", fp8, kv_scale)):
             is_fp8 = scale is not None
-            waves = dict(pa.SPLIT_WAVES)
             ways: list[tuple[str, int, int | None]] = [
                 ("", pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=is_fp8), None)
             ]
             if is_fp8:
-                pa.SPLIT_WAVES = {**waves, "fp8": 2 * waves["fp8"]}
-                try:
+                with engine_settings(True, waves_times=2.0):
                     ways.append(
                         ("_2w", pa.default_num_splits(len(ctxs), hkv, horizon, dev, fp8=True), None)
                     )
-                finally:
-                    pa.SPLIT_WAVES = waves
             if not label:  # balanced at the engine's waves, and at the other of 2, 3, 4
                 default_waves = pa.BALANCED_WAVES[pa._cache_kind(is_fp8)]
                 for count in (default_waves, *(w for w in (2.0, 3.0, 4.0) if w != default_waves)):

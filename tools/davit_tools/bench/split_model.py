@@ -90,16 +90,21 @@ def makespan(keys: list[int], slots: int, fixed: float, empty: float) -> float:
 
 
 @contextlib.contextmanager
-def _engine_settings(
-    multiprocessors: int, fp8: bool, waves_times: float | None, balanced: float | None
+def engine_settings(
+    fp8: bool,
+    waves_times: float | None = None,
+    balanced: float | None = None,
+    multiprocessors: int | None = None,
 ) -> Iterator[Any]:
-    """The paged-attention module with a GPU of `multiprocessors` and the way's switches,
-    restored afterwards."""
+    """The paged-attention module with a way's switches for the cache kind (`waves_times`
+    multiplies its `SPLIT_WAVES`; `balanced`: balanced splits at that many waves) and, given
+    `multiprocessors`, a GPU of that many; all restored afterwards."""
     from davit_engine.kernels import paged_attention as pa
 
     kind = pa._cache_kind(fp8)
     saved = (pa.multiprocessors, pa.SPLIT_WAVES, pa.BALANCE_SPLITS, pa.BALANCED_WAVES)
-    pa.multiprocessors = lambda device: multiprocessors
+    if multiprocessors is not None:
+        pa.multiprocessors = lambda device: multiprocessors
     if waves_times is not None:
         pa.SPLIT_WAVES = {**pa.SPLIT_WAVES, kind: waves_times * pa.SPLIT_WAVES[kind]}
     if balanced is not None:
@@ -109,6 +114,27 @@ def _engine_settings(
         yield pa
     finally:
         pa.multiprocessors, pa.SPLIT_WAVES, pa.BALANCE_SPLITS, pa.BALANCED_WAVES = saved
+
+
+def launch_units(
+    contexts: list[int],
+    num_kv_heads: int,
+    splits: int,
+    balanced_programs: int | None,
+    fp8: bool,
+    multiprocessors: int,
+    fixed: float,
+    empty: float,
+    merge: float,
+) -> float:
+    """Key units of one decode launch: its programs (`program_keys`, at the decode tile's keys
+    per tile) over the tile's slots on `multiprocessors`, and the merge where it splits."""
+    from davit_engine.kernels import paged_attention as pa
+
+    block_n = 64 if splits <= 8 or fp8 else 32  # the decode tiles' keys per tile
+    keys = program_keys(contexts, num_kv_heads, splits, block_n, balanced_programs)
+    slots = pa.DECODE_PROGRAMS_PER_SM[pa._cache_kind(fp8)] * multiprocessors
+    return makespan(keys, slots, fixed, empty) + (merge if splits > 1 else 0.0)
 
 
 def decode_steps(workload: OfflineWorkload) -> Iterator[list[int]]:
@@ -139,8 +165,7 @@ def run_way(
     sizes = graph_batch_sizes(workload.max_num_seqs)
     device = torch.device("cuda")  # the split choice's GPU path; nothing runs on it
     total = 0.0
-    with _engine_settings(multiprocessors, fp8, way.waves_times, way.balanced) as pa:
-        slots = pa.DECODE_PROGRAMS_PER_SM[pa._cache_kind(fp8)] * multiprocessors
+    with engine_settings(fp8, way.waves_times, way.balanced, multiprocessors) as pa:
         for contexts in decode_steps(workload):
             if way.mean:
                 contexts = [round(sum(contexts) / len(contexts))] * len(contexts)
@@ -151,11 +176,10 @@ def run_way(
             programs = None
             if way.balanced is not None and padded > 1:
                 programs = pa.balanced_split_programs(device, fp8)
-            block_n = 64 if splits <= 8 or fp8 else 32  # the decode tiles' keys per tile
-            keys = program_keys(
-                contexts + [0] * (padded - len(contexts)), num_kv_heads, splits, block_n, programs
-            )
-            total += makespan(keys, slots, fixed, empty) + (merge if splits > 1 else 0.0)
+            total += launch_units(
+                contexts + [0] * (padded - len(contexts)), num_kv_heads, splits, programs, fp8,
+                multiprocessors, fixed, empty, merge,
+            )  # fmt: skip
     return total
 
 
