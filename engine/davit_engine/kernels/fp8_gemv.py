@@ -18,6 +18,14 @@ partial sums a second kernel adds, scales and casts in a fixed order (determinis
 fp16 or fp32) and widened to float32, so the only rounding besides float32 summation is the
 final cast.
 
+At one row the tiles of W can instead be streamed by the tensor memory accelerator
+(`GemvConfig.stages`, sm_90+, off by default: `STREAM_STAGES`): `stages - 1` tiles of W per
+program are in flight in shared memory while the program multiplies the one before, where the
+plain loads keep one tile per program in flight, and a program may fetch its first tile of W
+before it waits for the kernel before it (`GemvConfig.preload`): W does not depend on that
+kernel, so under programmatic dependent launch the fetch overlaps its tail. Same products in
+the same order as the plain kernel.
+
 An MLP's fused gate/up projection can apply its activation in the epilogue (`gated=True`):
 each program's tile pairs every gate row with its up row, so it holds both sums of an output
 and writes `silu(gate) * up` ([rows, N / 2]) instead of the product: at decode that removes
@@ -26,32 +34,45 @@ the SiLU kernel and the product's round trip through memory, at the same bytes o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import multiprocessors
+from davit_engine.kernels import interpreted, multiprocessors
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
+
+try:  # host-side tensor descriptors (Triton 3.3+); without them W is never streamed
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tile and launch options of `fp8_gemv`. `split_k` 0: chosen from the shape and the GPU's
-    multiprocessor count (`default_split_k`)."""
+    multiprocessor count (`default_split_k`). `stages` >= 2: at one row, W's tiles streamed by
+    the tensor memory accelerator through that many pipeline stages (`stages - 1` tiles in
+    flight; where it cannot run, the plain loads); `preload` 1: the first tile fetched before
+    the wait for the previous kernel (with `stages` only)."""
 
     block_n: int
     block_k: int
     num_warps: int
     split_k: int = 0
+    stages: int = 0
+    preload: int = 0
 
     @property
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k else "sauto"
-        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}"
+        stream = f"t{self.stages}" + ("p" if self.preload else "") if self.stages else ""
+        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}{stream}"
 
 
 # One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
@@ -69,15 +90,44 @@ MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
+# The one-row default's streaming (`GemvConfig.stages` and `preload`): off until the H200 times
+# it (bench notes); switches for the bench's variants.
+STREAM_STAGES = 0
+STREAM_PRELOAD = 0
 
 
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
         return FEW_ROWS_CONFIG
     wanted = _PROGRAMS_PER_SM * multiprocessors(device)
-    if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted:
-        return ONE_ROW_CONFIG
-    return ONE_ROW_NARROW_CONFIG
+    config = (
+        ONE_ROW_CONFIG
+        if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted
+        else ONE_ROW_NARROW_CONFIG
+    )
+    if STREAM_STAGES:
+        config = dataclasses.replace(config, stages=STREAM_STAGES, preload=STREAM_PRELOAD)
+    return config
+
+
+def can_stream(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> bool:
+    """Whether `config` streams W here: asked for (`stages` >= 2), one row, the tensor memory
+    accelerator's alignment (W's base and rows on 16 bytes) and a GPU that has one (sm_90+;
+    or Triton's interpreter, which runs the same kernel on the CPU)."""
+    if TensorDescriptor is None or config.stages < 2 or x.shape[0] != 1:
+        return False
+    if weight.shape[1] % 16 or weight.data_ptr() % 16:
+        return False
+    if x.device.type == "cuda":
+        return not interpreted() and _has_tma(x.device.index)
+    return interpreted()
+
+
+@functools.cache
+def _has_tma(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(
+        index if index is not None else torch.cuda.current_device()
+    ) >= (9, 0)
 
 
 def default_split_k(n: int, k: int, config: GemvConfig, device: torch.device) -> int:
@@ -123,7 +173,6 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     # each column's gate row and up row side by side in the tile, BLOCK_N // 2 columns.
     lanes = tl.arange(0, BLOCK_N)
     cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
-    col_valid = cols < N
     # Out-of-range columns read the last row of W (no mask: the loads stay 16 bytes wide) and
     # are never stored.
     w_row = tl.minimum(cols, N - 1)
@@ -168,7 +217,20 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_rows + kk[None, None, :], mask=kk[None, None, :] < k_end, other=0.0)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
         total = tl.sum(acc, 2)  # [ROWS, BLOCK_N]
-    store_mask = (rows < num_rows)[:, None] & col_valid[None, :]
+    _store_rows(total, rows, cols, w_row, pid_n, split, num_rows, N, scale_ptr, bias_ptr,
+                out_ptr, part_ptr, stride_om, HAS_BIAS, ROWS, BLOCK_N, SPLIT_K, GATED)  # fmt: skip
+
+
+@triton.jit
+def _store_rows(  # type: ignore[no-untyped-def]
+    total, rows, cols, w_row, pid_n, split, num_rows, N, scale_ptr, bias_ptr, out_ptr, part_ptr,
+    stride_om, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """A program's sums over its K range, `total` [ROWS, BLOCK_N] for W's rows `w_row` (GATED:
+    gate and up rows alternating, output columns `cols`): scaled, biased (and SiLU x up) into
+    the output, or stored as split-K partial sums."""
+    store_mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
     if SPLIT_K == 1:
         out = total * tl.load(scale_ptr + w_row)[None, :]
         if HAS_BIAS:
@@ -185,6 +247,74 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
         n_w = 2 * N if GATED else N
         dst = part_ptr + (split * num_rows + rows.to(tl.int64))[:, None] * n_w + w_row[None, :]
         tl.store(dst, total, mask=store_mask)
+
+
+@triton.jit
+def _fp8_gemv_stream_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_desc,  # W [N (GATED: 2N), K] in tiles of [TILE, BLOCK_K] rows
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    N,
+    K,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    STAGES: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    """`_fp8_gemv_kernel` at one row with W's tiles streamed through shared memory by the
+    tensor memory accelerator (`STAGES - 1` in flight); GATED: a gate tile and its up tile per
+    step ([BLOCK_N // 2, BLOCK_K] each). Rows past W's end read as zeros."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    TILE: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    first = pid_n * TILE
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if PRELOAD:  # before the wait: W is no output of the kernel before
+        w_pre = w_desc.load([first, k_begin])
+        if GATED:
+            u_pre = w_desc.load([N + first, k_begin])
+    gdc_enter(USE_GDC)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([TILE, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([TILE, BLOCK_K], dtype=tl.float32)
+    k_loop = k_begin
+    if PRELOAD:
+        x_pre = tl.load(x_ptr + k_begin + ks, mask=k_begin + ks < k_end, other=0.0)
+        acc += w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :]
+        if GATED:
+            acc_up += u_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :]
+        k_loop += BLOCK_K
+    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
+        kk = k0 + ks
+        if EVEN_K:
+            x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
+        else:
+            x = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0).to(tl.float32)[None, :]
+        acc += w_desc.load([first, k0]).to(tl.float32) * x
+        if GATED:
+            acc_up += w_desc.load([N + first, k0]).to(tl.float32) * x
+    lanes = tl.arange(0, BLOCK_N)
+    if GATED:  # gate and up sums alternating, as _fp8_gemv_kernel's tile holds them
+        total = tl.reshape(tl.join(tl.sum(acc, 1), tl.sum(acc_up, 1)), [BLOCK_N])[None, :]
+        cols = first + lanes // 2
+        w_row = tl.minimum(cols, N - 1) + (lanes % 2) * N
+    else:
+        total = tl.sum(acc, 1)[None, :]
+        cols = first + lanes
+        w_row = tl.minimum(cols, N - 1)
+    rows = tl.arange(0, 1)
+    _store_rows(total, rows, cols, w_row, pid_n, split, 1, N, scale_ptr, bias_ptr, out_ptr,
+                part_ptr, 0, HAS_BIAS, 1, BLOCK_N, SPLIT_K, GATED)  # fmt: skip
 
 
 @triton.jit
@@ -273,13 +403,24 @@ def fp8_gemv(
     )
     launch = pdl_launch(x.device)
     grid = (triton.cdiv(n_w, cfg.block_n), split_k, triton.cdiv(num_rows, rows_per_program))
-    _fp8_gemv_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
-        num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
-        HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=1, **launch,
-    )  # fmt: skip
+    if can_stream(x, weight, cfg):
+        tile = [cfg.block_n // 2 if gated else cfg.block_n, cfg.block_k]
+        _fp8_gemv_stream_kernel[grid](
+            x, TensorDescriptor(weight, [n_w, k], [k, 1], tile), weight_scale,
+            bias if bias is not None else weight_scale, out, part, n, k, k_per_split,
+            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated, STAGES=cfg.stages,
+            PRELOAD=min(cfg.preload, 1), num_warps=cfg.num_warps, num_stages=cfg.stages,
+            **launch,
+        )  # fmt: skip
+    else:
+        _fp8_gemv_kernel[grid](
+            x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
+            num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
+            HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
+            num_warps=cfg.num_warps, num_stages=1, **launch,
+        )  # fmt: skip
     if split_k > 1:
         block = 512
         _sum_splits_kernel[(triton.cdiv(n, block), num_rows)](

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -187,3 +189,92 @@ def test_gated_gemv_real_shapes(device: torch.device, rows: int, inter: int, k: 
     torch.testing.assert_close(out, silu_mul(gemv(x, weight, scale)), rtol=1e-2, atol=1e-3)
     expected = silu_mul_reference(fp8_weight_matmul_reference(x.float(), weight, scale))
     assert _rel_err(out, expected) < 8e-3
+
+
+_STREAMED = [GemvConfig(8, 64, 4, split_k=s, stages=t, preload=p)
+             for s, t, p in ((1, 2, 0), (1, 3, 1), (2, 4, 0), (8, 3, 1))]  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", _STREAMED, ids=lambda c: c.label)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(38, 208), (40, 256), (24, 1104)])
+def test_streamed_gemv_equals_plain(
+    device: torch.device, cfg: GemvConfig, gated: bool, n: int, k: int
+) -> None:
+    """W's tiles streamed through shared memory (pipeline stages, the first tile fetched
+    before the wait for the previous kernel) give the plain loads' numbers: at a partial last
+    tile of rows (38; gated: 19 columns, up rows read past the gate rows), a K tail inside a
+    step (208, 1104), splits that start past K (1104 in 8) and with the bias."""
+    torch.manual_seed(n + k + cfg.stages + gated)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(1, k, device=device)
+    b = torch.randn(n, device=device)
+    assert fp8_gemv.can_stream(x, weight, cfg)
+    plain = dataclasses.replace(cfg, stages=0, preload=0)
+    out = gemv(x, weight, scale, b, cfg, gated=gated)
+    expected = gemv(x, weight, scale, b, plain, gated=gated)
+    if device.type == "cpu":
+        assert torch.equal(out, expected)
+    else:  # the sums' reduction trees may differ by layout
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if not gated:
+        assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale, b)) < 1e-5
+
+
+def test_streaming_falls_back_to_plain_loads(device: torch.device) -> None:
+    """Where the tensor memory accelerator cannot stream W (several rows, rows of W not on 16
+    bytes) the plain kernel runs, with the same result."""
+    cfg = GemvConfig(8, 64, 4, stages=3, preload=1)
+    weight, scale = _weights(24, 200, device)  # 200-byte rows
+    x = torch.randn(1, 200, device=device)
+    assert not fp8_gemv.can_stream(x, weight, cfg)
+    out = gemv(x, weight, scale, None, cfg)
+    assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale)) < 1e-5
+    weight, scale = _weights(24, 256, device)
+    rows = torch.randn(2, 256, device=device)
+    assert not fp8_gemv.can_stream(rows, weight, cfg)
+    assert fp8_gemv.can_stream(rows[:1], weight, cfg)
+    assert not fp8_gemv.can_stream(rows[:1], weight, dataclasses.replace(cfg, stages=0))
+    out = gemv(rows, weight, scale, None, cfg)
+    assert _rel_err(out, fp8_weight_matmul_reference(rows, weight, scale)) < 1e-5
+
+
+def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = torch.device("cpu")
+    assert fp8_gemv.default_config(1, 4096, gpu).stages == 0  # off until timed
+    monkeypatch.setattr(fp8_gemv, "STREAM_STAGES", 4)
+    monkeypatch.setattr(fp8_gemv, "STREAM_PRELOAD", 1)
+    one_row = fp8_gemv.default_config(1, 4096, gpu)
+    assert (one_row.block_n, one_row.stages, one_row.preload) == (8, 4, 1)
+    assert one_row.label == "gemv_8x512w4sautot4p"
+    assert fp8_gemv.default_config(2, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_streamed_gemv_real_shapes_in_a_graph(
+    device: torch.device, gated: bool, stages: int, n: int, k: int
+) -> None:
+    """W2's shapes at the engine's one-row tiles, streamed with the first tile fetched before
+    the wait, launched back to back in a captured graph (programmatic dependent launch: each
+    launch's first tiles are fetched while the one before runs): the plain kernel's numbers."""
+    torch.manual_seed(stages + n)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    base = fp8_gemv.default_config(1, n, device)
+    cfg = dataclasses.replace(base, stages=stages, preload=1)
+    assert fp8_gemv.can_stream(x, weight, cfg)
+    graph = torch.cuda.CUDAGraph()
+    gemv(x, weight, scale, None, cfg, gated=gated)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        outs = [gemv(x, weight, scale, None, cfg, gated=gated) for _ in range(3)]
+    x.copy_(torch.randn_like(x))
+    expected = gemv(x, weight, scale, None, base, gated=gated)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)
+        assert torch.isfinite(out).all()

@@ -96,6 +96,10 @@ def test_kernel_figures_count_overlapping_kernels_once() -> None:
         (["--sections", "w1,speed"], "--sections"),
         (["--gemv-configs", "8/512/4/0/q"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/1"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/0/1"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/3/2"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/3/1/1"], "--gemv-configs"),
         (["--gemm-configs", "32/512/x/4"], "--gemm-configs"),
     ],
 )
@@ -153,6 +157,10 @@ def test_gemv_configs_parse() -> None:
     auto, split = fp8._parse_gemv_configs("8/512/4/0;4/1024/4/2")
     assert auto.label == "gemv_8x512w4sauto" and split.split_k == 2
     assert split.label == "gemv_4x1024w4s2"
+    streamed, preloaded = fp8._parse_gemv_configs("8/512/4/0/3;8/256/2/0/4/1")
+    assert (streamed.stages, streamed.preload, streamed.label) == (3, 0, "gemv_8x512w4sautot3")
+    assert (preloaded.num_warps, preloaded.stages, preloaded.preload) == (2, 4, 1)
+    assert preloaded.label == "gemv_8x256w2sautot4p"
 
 
 def test_variant_switches_name_existing_engine_attributes() -> None:
@@ -185,9 +193,10 @@ def test_kernel_rows_are_built_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     bf16 = [torch.randn(32, 256, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
     scales = [w.float().abs().amax(dim=1) / FP8_MAX for w in bf16]
     weights = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
-    gemv = fp8._parse_gemv_configs("8/128/4/0;8/128/4/2")
+    gemv = fp8._parse_gemv_configs("8/128/4/0;8/128/4/2;8/128/4/0/3/1")
     row = fp8._gemm_rows("gate_up", bf16, weights, scales, 1, [], gemv)
     for key in ("bf16_us", "default_us", "gemv_8x128w4sauto_us", "gemv_8x128w4s2_us",
+                "gemv_8x128w4sautot3p_us",
                 "act_separate_us", "act_gated_us", "best"):  # fmt: skip
         assert key in row, key
     assert row["act_gated_equal"] is True

@@ -8,7 +8,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
 - `gemm`: one projection at W2's shapes (Llama-3.1-8B: qkv, o, gate_up, down) and 1 / 2 / 4 /
   8 / 16 / 256 rows, inside CUDA graphs with weights cycled beyond L2: the bf16 library GEMM,
   the engine's default FP8 weight-only product, the matrix-vector kernel's tiles
-  (`--gemv-configs`, up to 8 rows), the matrix-unit kernel's tiles (`--gemm-configs`), and
+  (`--gemv-configs`, up to 8 rows; a fifth field streams W at one row through that many
+  pipeline stages, a sixth (1) fetches its first tile before the PDL wait), the matrix-unit kernel's tiles (`--gemm-configs`), and
   per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
   names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
@@ -21,7 +22,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   (`*_s{N}`);
 - `w2`: W2 through the engine loop (V2, CUDA graphs, async) in bf16, then with FP8 weights and
   an FP8 KV cache (`--w2-variants`; `fp8-both-separate-silu` runs SiLU x up as its own kernel
-  instead of in the gate/up product's), decode tok/s
+  instead of in the gate/up product's, `fp8-both-stream{3,4}[-preload]` streams W in the
+  one-row products), decode tok/s
   against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache (`--w1-variants`: also split targets
   `*-splits-528` / `*-splits-2112`, `*-split-past-wave`, balanced splits `*-balanced`, and the
@@ -151,16 +153,28 @@ def _parse_configs(text: str) -> list[Any]:
 
 
 def _parse_gemv_configs(text: str) -> list[Any]:
-    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K;...` -> GemvConfigs (SPLIT_K 0: the engine's choice)."""
+    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]];...` -> GemvConfigs (SPLIT_K 0: the
+    engine's choice; STAGES >= 2: W streamed through that many pipeline stages at one row,
+    PRELOAD 1: its first tile fetched before the wait for the kernel before)."""
     from davit_engine.kernels.fp8_gemv import GemvConfig
 
     configs = []
     for item in filter(None, text.split(";")):
         fields = item.split("/")
-        if len(fields) != 4 or not all(v.isdigit() for v in fields):
-            raise ValueError(f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K")
-        n, k, w, split = (int(v) for v in fields)
-        configs.append(GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split))
+        if not 4 <= len(fields) <= 6 or not all(v.isdigit() for v in fields):
+            raise ValueError(
+                f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]]"
+            )
+        n, k, w, split, stages, preload = (int(v) for v in fields + ["0"] * (6 - len(fields)))
+        if stages == 1 or preload not in (0, 1) or (preload and not stages):
+            raise ValueError(
+                f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 "
+                "or 1 and only with STAGES"
+            )
+        configs.append(
+            GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split, stages=stages,
+                       preload=preload)  # fmt: skip
+        )
     return configs
 
 
@@ -550,6 +564,19 @@ VARIANTS = {
             ("hmem", (("ROTARY_HADAMARD_FROM_MEMORY", True),)),
             ("8w-hmem", (("ROTARY_FP8_NUM_WARPS", 8), ("ROTARY_HADAMARD_FROM_MEMORY", True))),
         )
+    },
+    # the one-row FP8 products with W streamed through 3 or 4 pipeline stages, and with the
+    # first tile fetched before the wait for the kernel before (fp8_gemv.STREAM_STAGES,
+    # STREAM_PRELOAD)
+    **{
+        f"fp8-both-stream{stages}{'-preload' if preload else ''}": Variant(
+            f"fp8-both-stream{stages}{'-preload' if preload else ''}",
+            "fp8",
+            "fp8",
+            (("davit_engine.kernels.fp8_gemv", "STREAM_STAGES", stages),)
+            + ((("davit_engine.kernels.fp8_gemv", "STREAM_PRELOAD", 1),) if preload else ()),
+        )
+        for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
     },
     # balanced splits and the rotary kernel's two switches together
     "fp8-kv-balanced-rotary-8w-hmem": Variant(
