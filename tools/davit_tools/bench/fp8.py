@@ -171,10 +171,8 @@ def _parse_gemv_configs(text: str) -> list[Any]:
                 f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 "
                 "or 1 and only with STAGES"
             )
-        configs.append(
-            GemvConfig(block_n=n, block_k=k, num_warps=w, split_k=split, stages=stages,
-                       preload=preload)  # fmt: skip
-        )
+        config = GemvConfig(n, k, w, split_k=split, stages=stages, preload=preload)
+        configs.append(config)
     return configs
 
 
