@@ -60,6 +60,8 @@ class ProfileIdentity:
     # defaults, which is what those engines ran.
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
+    # Added within schema version 1: "fp8" for an FP8 LM head (--lm-head-quantization).
+    lm_head_quantization: str = "none"
 
     def hash(self) -> str:
         """A short stable digest of every field (sorted JSON, sha256, 16 hex digits).
@@ -76,7 +78,11 @@ class ProfileIdentity:
 
 
 # ProfileIdentity fields added after schema version 1 was first written, with their defaults.
-_LATER_DEFAULTS: dict[str, object] = {"kv_cache_dtype": "auto", "quantization": "none"}
+_LATER_DEFAULTS: dict[str, object] = {
+    "kv_cache_dtype": "auto",
+    "quantization": "none",
+    "lm_head_quantization": "none",
+}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ KvCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 Quantization = Literal["fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --lm-head-quantization (no upstream flag): the LM head's weight in FP8 too. Lossy beyond the
+# projections' FP8; never on unless asked.
+LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # --kv-offloading-backend values: upstream also names "lmcache" (an external server).
 KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
 # Tensor-parallel ranks are processes of one pod, so of one host: at most its GPUs.
@@ -37,6 +40,8 @@ class EngineConfig:
     # FP8 projection weights (None: as the checkpoint stores them) and KV-cache element type.
     quantization: Quantization | None = None
     kv_cache_dtype: KvCacheDType = "auto"
+    # The LM head's weight in FP8 (per-row scales; the embedding keeps the model dtype).
+    lm_head_quantization: Quantization | None = None
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from the model config, capped by KV capacity
@@ -115,6 +120,15 @@ class EngineConfig:
             raise ParamError(
                 "--quantization",
                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+            )
+        if (
+            self.lm_head_quantization is not None
+            and self.lm_head_quantization not in LM_HEAD_QUANTIZATIONS
+        ):
+            raise ParamError(
+                "--lm-head-quantization",
+                f"must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got "
+                f"{self.lm_head_quantization!r}",
             )
         if self.speculative_config is not None:
             self.speculative_config.validate()

@@ -90,10 +90,12 @@ def test_fp8_identities_hash_apart_and_round_trip() -> None:
     kv = dataclasses.replace(profile.identity, kv_cache_dtype="fp8")
     weights = dataclasses.replace(profile.identity, quantization="fp8")
     both = dataclasses.replace(kv, quantization="fp8")
-    hashes = {profile.identity.hash(), kv.hash(), weights.hash(), both.hash()}
-    assert len(hashes) == 4
-    again = MemoryProfile.from_json(dataclasses.replace(profile, identity=both).to_json())
-    assert again.identity == both and again.identity.hash() == both.hash()
+    head = dataclasses.replace(both, lm_head_quantization="fp8")
+    hashes = {profile.identity.hash(), kv.hash(), weights.hash(), both.hash(), head.hash()}
+    assert len(hashes) == 5
+    for identity in (both, head):
+        again = MemoryProfile.from_json(dataclasses.replace(profile, identity=identity).to_json())
+        assert again.identity == identity and again.identity.hash() == identity.hash()
 
 
 @pytest.mark.parametrize(

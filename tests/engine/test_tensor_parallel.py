@@ -90,6 +90,7 @@ def test_smollm2_three_ranks_match_one_token_for_token(smollm2_gguf: Path) -> No
         ("random:qwen3-tiny", {"runner": "v2"}, "--runner", "does not support"),
         ("random:qwen3-tiny", {"kv_offloading_size": 1.0}, "--kv-offloading-size", "KV offload"),
         ("random:qwen3-tiny", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype", "FP8"),
+        ("random:qwen3-tiny", {"lm_head_quantization": "fp8"}, "--lm-head-quantization", "FP8"),
     ],
 )
 def test_what_cannot_be_split_is_refused_by_flag(

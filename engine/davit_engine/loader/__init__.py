@@ -30,7 +30,11 @@ from davit_engine.models.config import ModelConfig
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
 from davit_engine.models.parallel import FLAG as TP_FLAG
 from davit_engine.models.parallel import parallelize, rank_config, shard_weights
-from davit_engine.quant.fp8_linear import install_fp8_projections, quantize_projections
+from davit_engine.quant.fp8_linear import (
+    install_fp8_projections,
+    quantize_lm_head,
+    quantize_projections,
+)
 from davit_engine.quant.kv_scales import calibrate_kv_scales
 from davit_engine.quant.support import (
     check_fp8_device,
@@ -58,6 +62,7 @@ class LoadedModel:
     dtype: torch.dtype  # of the activations (and of every weight that is not FP8)
     source: str  # "gguf", "safetensors" or "random"
     quantization: str = "none"  # "fp8": the decoder projections hold FP8 weights
+    lm_head_quantization: str = "none"  # "fp8": so does the LM head (--lm-head-quantization)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
     kv_scale_source: str = "none"  # FP8 KV scales: "calibrated", or "none" without FP8 KV
     # This process's rank when the model is split over several (None: the whole model here).
@@ -188,6 +193,9 @@ def load_model(
     fp8_kv = is_fp8_kv(config.kv_cache_dtype)
     if fp8_kv:
         check_fp8_device(device, "--kv-cache-dtype", config.kv_cache_dtype)
+    lm_head_quantization = config.lm_head_quantization or "none"
+    if lm_head_quantization == "fp8":
+        check_fp8_device(device, "--lm-head-quantization", "fp8")
     dtype = resolve_dtype(config.dtype, kind, model_config, device)
     prequantized = model_config.quantization == "fp8"
     model = build_empty(
@@ -211,6 +219,12 @@ def load_model(
         if quantization == "fp8" and not prequantized:
             count = quantize_projections(model)
             logger.info("quantized %d projections to fp8 (per-channel scales)", count)
+        if lm_head_quantization == "fp8":
+            quantize_lm_head(model)
+            logger.warning(
+                "--lm-head-quantization fp8: the LM head's weight is FP8 (per-row scales); "
+                "logits are rounded beyond the model dtype's"
+            )
     kv_scale_source = "none"
     if fp8_kv:
         calibrate_kv_scales(model, device, dtype)
@@ -234,6 +248,7 @@ def load_model(
         dtype=dtype,
         source=kind,
         quantization=quantization,
+        lm_head_quantization=lm_head_quantization,
         kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
         kv_scale_source=kv_scale_source,
         tensor_parallel=tensor_parallel,
@@ -246,8 +261,15 @@ def check_tensor_parallel(
     """Refuse, naming the flag, what tensor parallelism cannot run: a size that does not divide
     the model's heads and MLP width, and FP8 weights or KV cache (not split per rank yet)."""
     rank_config(model_config, config.tensor_parallel_size)
-    if quantization == "fp8" or is_fp8_kv(config.kv_cache_dtype):
-        flag = "--kv-cache-dtype" if is_fp8_kv(config.kv_cache_dtype) else "--quantization"
+    lm_head = config.lm_head_quantization is not None
+    if quantization == "fp8" or is_fp8_kv(config.kv_cache_dtype) or lm_head:
+        flag = (
+            "--kv-cache-dtype"
+            if is_fp8_kv(config.kv_cache_dtype)
+            else "--lm-head-quantization"
+            if lm_head and quantization != "fp8"
+            else "--quantization"
+        )
         raise ParamError(
             flag,
             f"FP8 is not supported with {TP_FLAG} {config.tensor_parallel_size} yet (its scales "

@@ -374,4 +374,5 @@ def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
         cuda_graphs=bool(getattr(runner, "use_graphs", False)),
         kv_cache_dtype=runner.loaded.kv_cache_dtype,
         quantization=runner.loaded.quantization,
+        lm_head_quantization=runner.loaded.lm_head_quantization,
     )

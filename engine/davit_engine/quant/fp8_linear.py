@@ -8,7 +8,8 @@ weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows
   to `fp8_gemv.MAX_ROWS` rows that is a matrix-vector kernel streaming W at memory bandwidth
   (kernels/fp8_gemv.py), beyond a matrix-unit kernel. The step is bound by reading W, and no
   quantization kernel runs before the product.
-- CUDA, more rows, bf16 activations, compute capability 9.0+ and K, N multiples of 16 (the
+- CUDA, more rows (except for the projections of `UNQUANTIZED_INPUTS`, q/k/v and an FP8 LM
+  head, which keep the weight-only product at every row count), bf16 activations, compute capability 9.0+ and K, N multiples of 16 (the
   library's constraints): the activations are quantized per token (one scale per row, its
   absolute maximum over 448, computed on the fly) and `torch._scaled_mm` multiplies FP8 by FP8
   with the row and channel scales applied to its float32 accumulator. Otherwise the Triton
@@ -24,6 +25,7 @@ Weights quantized at load take their per-channel scale from the channel's absolu
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -179,6 +181,22 @@ def _has_rowwise_fp8_gemm(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+# Where the activations are never quantized to FP8: these run the weight-only product at every
+# row count, prefill included (on CUDA the Triton matrix-unit kernel past 16 rows, at the
+# bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
+# costs the most (SmolLM2-135M, FP8 weights: perplexity +2.08% with every input quantized,
+# +1.51% with q/k/v's kept; docs/fp8.md, Quality); q/k/v are about a ninth of a Llama
+# layer's multiply-adds. The LM head (--lm-head-quantization): its rows are the sampled
+# tokens only, and its logits then do not depend on the batch's size.
+UNQUANTIZED_INPUTS: frozenset[str] = frozenset({"qkv_proj", "lm_head"})
+
+
+def _with_input_policy(name: str, module: Fp8Linear) -> Fp8Linear:
+    if name in UNQUANTIZED_INPUTS:
+        module.weight_only_max_rows = sys.maxsize
+    return module
+
+
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) of every `nn.Linear` inside the decoder layers: the
     projections FP8 applies to. The LM head and the embedding keep the model dtype."""
@@ -201,8 +219,18 @@ def quantize_projections(model: nn.Module) -> int:
     """
     found = _projections(model)
     for parent, name, linear in found:
-        setattr(parent, name, Fp8Linear.from_linear(linear))
+        setattr(parent, name, _with_input_policy(name, Fp8Linear.from_linear(linear)))
     return len(found)
+
+
+def quantize_lm_head(model: nn.Module) -> None:
+    """Replace the LM head by its per-row FP8 quantization (`--lm-head-quantization fp8`). A
+    head tied to the embedding gets an FP8 copy of its own, the embedding keeps the model
+    dtype (it is read one row per token); an untied head's weight is released."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"{type(model).__name__} has no nn.Linear LM head (model.lm_head)")
+    model.lm_head = _with_input_policy("lm_head", Fp8Linear.from_linear(head))
 
 
 def install_fp8_projections(model: nn.Module) -> int:
@@ -217,5 +245,5 @@ def install_fp8_projections(model: nn.Module) -> int:
             linear.weight.dtype,
             linear.weight.device,
         )
-        setattr(parent, name, fp8)
+        setattr(parent, name, _with_input_policy(name, fp8))
     return len(found)

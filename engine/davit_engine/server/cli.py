@@ -27,7 +27,12 @@ from types import FrameType
 import uvicorn
 
 from davit_contract import engine_defaults
-from davit_engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from davit_engine.config import (
+    KV_CACHE_DTYPES,
+    LM_HEAD_QUANTIZATIONS,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from davit_engine.engine_flags import (
     check_compilation_config,
     check_parallelism,
@@ -140,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(QUANTIZATIONS),
         help="fp8: FP8 projection weights (checkpoints in bf16/fp16 are quantized at load; "
         "FP8 checkpoints are detected without it)",
+    )
+    engine.add_argument(
+        "--lm-head-quantization",
+        default=None,
+        choices=list(LM_HEAD_QUANTIZATIONS),
+        help="fp8: the LM head's weight in FP8 too (per-row scales). Lossy beyond "
+        "--quantization fp8, which keeps the LM head in the model dtype: faster decode at small "
+        "batch, logits rounded differently",
     )
     engine.add_argument(
         "--kv-cache-dtype",
@@ -271,6 +284,7 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         served_model_name=args.served_model_name,
         dtype=args.dtype,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         seed=args.seed,

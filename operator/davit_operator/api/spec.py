@@ -55,6 +55,7 @@ OWNED_FLAGS = (
     "--quantization",
     "-q",
     "--kv-cache-dtype",
+    "--lm-head-quantization",
 )
 
 
@@ -332,6 +333,16 @@ class EngineSpec(CrdModel):
             "FP8 checkpoints are served as stored. About half the weight bytes per GPU. Needs "
             "an accelerator the catalog records with FP8 and an engine release that "
             "implements it; unset: the checkpoint's own format."
+        ),
+    )
+    lm_head_quantization: Quantization | None = Field(
+        default=None,
+        description=(
+            "The LM head's weight in FP8 (e4m3, per-row scales), passed as "
+            "--lm-head-quantization fp8: lossy beyond engine.quantization (which keeps the LM "
+            "head in the model dtype); faster decode at small batch. A Davit engine flag (no "
+            "upstream equivalent): releases implement it only where the catalog says so; needs "
+            "an accelerator the catalog records with FP8."
         ),
     )
     kv_cache_dtype: KvCacheDType = Field(

@@ -132,6 +132,9 @@ class Capabilities(CatalogModel):
     # record, nothing refused).
     quantization: list[Quantization] | None = None
     kv_cache_dtypes: list[Literal["fp8"]] | None = None
+    # engine.lmHeadQuantization values: the Davit engine's own flag, so a release implements it
+    # only where listed (empty: refused).
+    lm_head_quantization: list[Quantization] = Field(default_factory=list)
 
 
 class SequenceParallelismArgs(CatalogModel):

@@ -201,6 +201,9 @@ def engine_invocation(
         args += ["--quantization", spec.engine.quantization]
     if spec.engine.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
+    # The Davit engine's own flag; planning refused it for releases that lack it.
+    if spec.engine.lm_head_quantization is not None:
+        args += ["--lm-head-quantization", spec.engine.lm_head_quantization]
     speculative, draft_mounts = _speculative_config(spec, mounts)
     if speculative is not None:
         args += ["--speculative-config", speculative]

@@ -68,6 +68,11 @@ def shortfalls(spec: InferenceServiceSpec, capabilities: Capabilities) -> list[S
     for field, value, implemented in (
         ("engine.quantization", spec.engine.quantization, capabilities.quantization),
         ("engine.kvCacheDtype", spec.engine.kv_cache_dtype, capabilities.kv_cache_dtypes),
+        (
+            "engine.lmHeadQuantization",
+            spec.engine.lm_head_quantization,
+            capabilities.lm_head_quantization,
+        ),
     ):
         if value not in (None, "auto") and implemented is not None and value not in implemented:
             found.append(Shortfall(field, value, f"{field} {value}", f"remove {field}"))

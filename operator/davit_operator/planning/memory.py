@@ -220,29 +220,38 @@ class Precision:
 
     projection_bytes: int = ACCELERATOR_DTYPE_BYTES
     kv_bytes: int = ACCELERATOR_DTYPE_BYTES
+    fp8_lm_head: bool = False
 
     @classmethod
     def of(cls, spec: InferenceServiceSpec) -> Precision:
         """engine.quantization fp8: one byte per projection weight; engine.kvCacheDtype fp8:
-        one byte per KV element. (An FP8 checkpoint served without engine.quantization is
-        estimated at the accelerator dtype: larger, so the check stays on the safe side.)"""
+        one byte per KV element; engine.lmHeadQuantization fp8: an LM head of one byte per
+        weight. (An FP8 checkpoint served without engine.quantization is estimated at the
+        accelerator dtype: larger, so the check stays on the safe side.)"""
         return cls(
             projection_bytes=FP8_BYTES
             if spec.engine.quantization == "fp8"
             else ACCELERATOR_DTYPE_BYTES,
             kv_bytes=FP8_BYTES if spec.engine.kv_cache_dtype == "fp8" else ACCELERATOR_DTYPE_BYTES,
+            fp8_lm_head=spec.engine.lm_head_quantization == "fp8",
         )
 
 
 def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> int:
     """Bytes of the model's weights: projections at `precision` (with FP8's channel scales),
-    everything else at `dtype_bytes`."""
+    everything else at `dtype_bytes`. An FP8 LM head holds one byte per weight and a scale per
+    row; tied to the embedding, it is a copy beside the embedding (which keeps `dtype_bytes`)."""
     projections = shape.projection_parameters
     total = (
         shape.num_parameters - projections
     ) * dtype_bytes + projections * precision.projection_bytes
     if precision.projection_bytes == FP8_BYTES:
         total += shape.projection_channels * FP8_SCALE_BYTES
+    if precision.fp8_lm_head:
+        head = shape.vocab_size * shape.hidden_size
+        if not shape.tie_word_embeddings:
+            total -= head * dtype_bytes
+        total += head * FP8_BYTES + shape.vocab_size * FP8_SCALE_BYTES
     return total
 
 
@@ -428,6 +437,8 @@ def profile_identity(plan: Plan) -> dict[str, Any]:
         identity["quantization"] = spec.engine.quantization
     if spec.engine.kv_cache_dtype != "auto":
         identity["kvCacheDtype"] = spec.engine.kv_cache_dtype
+    if spec.engine.lm_head_quantization is not None:
+        identity["lmHeadQuantization"] = spec.engine.lm_head_quantization
     if spec.features.speculative is not None:
         # A draft model's weights, KV and graphs are in the measured profile.
         identity["speculative"] = spec.features.speculative.model_dump(

@@ -1,5 +1,5 @@
-"""FP8 on the accelerator: refuse `engine.quantization: fp8` and `engine.kvCacheDtype: fp8`
-where the catalog marks the accelerator as lacking FP8 (e4m3) support.
+"""FP8 on the accelerator: refuse `engine.quantization: fp8`, `engine.kvCacheDtype: fp8` and
+`engine.lmHeadQuantization: fp8` where the catalog marks the accelerator as lacking FP8 (e4m3) support.
 
 Planning, not CEL: the facts live in the versioned catalog (`accelerators.yaml`) that the
 operator loads at startup, while the CRD's rules are generated from the API types; a copy of
@@ -21,6 +21,8 @@ def fp8_fields(spec: InferenceServiceSpec) -> list[str]:
     fields = []
     if spec.engine.quantization == "fp8":
         fields.append("engine.quantization")
+    if spec.engine.lm_head_quantization == "fp8":
+        fields.append("engine.lmHeadQuantization")
     if spec.engine.kv_cache_dtype == "fp8":
         fields.append("engine.kvCacheDtype")
     return fields

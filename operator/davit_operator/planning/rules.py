@@ -89,6 +89,8 @@ def _condition(
         engine = spec.engine
         if engine.quantization == "fp8":
             return True, "engine.quantization", "fp8", "engine.quantization fp8"
+        if engine.lm_head_quantization == "fp8":
+            return True, "engine.lmHeadQuantization", "fp8", "engine.lmHeadQuantization fp8"
         on = engine.kv_cache_dtype == "fp8"
         return on, "engine.kvCacheDtype", engine.kv_cache_dtype, "engine.kvCacheDtype fp8"
     return False, "model.source", spec.model.source, "the model"  # model: never known here

@@ -4,6 +4,7 @@ GPU the CUDA paths (weight-only product, FP8 library GEMM) against the CPU arith
 
 from __future__ import annotations
 
+import sys
 from typing import cast
 
 import pytest
@@ -14,7 +15,12 @@ from davit_engine.config import EngineConfig
 from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.loader import load_model
 from davit_engine.models.llama import LlamaDecoderLayer
-from davit_engine.quant.fp8_linear import Fp8Linear, quantize_projections
+from davit_engine.quant.fp8_linear import (
+    UNQUANTIZED_INPUTS,
+    Fp8Linear,
+    install_fp8_projections,
+    quantize_projections,
+)
 from tests.engine.kernels.fp8_cases import rel_err as _rel_err
 
 CPU = torch.device("cpu")
@@ -67,7 +73,40 @@ def test_quantize_projections_swaps_decoder_projections_only() -> None:
         assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
         assert layer.self_attn.qkv_proj.bias is not None  # Qwen2's q/k/v bias is kept
         assert isinstance(layer.mlp.down_proj, Fp8Linear)
+        # q/k/v keep their inputs unquantized at every row count, the others from 17 rows
+        assert layer.self_attn.qkv_proj.weight_only_max_rows == sys.maxsize
+        assert layer.self_attn.o_proj.weight_only_max_rows == 16
+        assert layer.mlp.down_proj.weight_only_max_rows == 16
     assert type(model.lm_head) is nn.Linear  # the head keeps the model dtype
+
+
+@pytest.mark.parametrize("fill", ["quantize", "checkpoint"])
+def test_qkv_inputs_are_never_quantized(fill: str) -> None:
+    """At prefill's row counts the q/k/v product is the weight-only one (the dequantized
+    weight's product up to summation order), the o product quantizes its inputs per token;
+    the same for projections filled from an FP8 checkpoint."""
+    assert {"qkv_proj", "lm_head"} == UNQUANTIZED_INPUTS
+    loaded = load_model(EngineConfig(model="random:qwen3-tiny", dtype="float32"), CPU)
+    model = loaded.model
+    if fill == "quantize":
+        quantize_projections(model)
+    else:
+        install_fp8_projections(model)
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                reference = Fp8Linear.from_linear(
+                    nn.Linear(module.in_features, module.out_features, bias=False)
+                )
+                module.load_state_dict(reference.state_dict())
+    attention = cast(LlamaDecoderLayer, model.model.layers[0]).self_attn
+    for projection, exact in ((attention.qkv_proj, True), (attention.o_proj, False)):
+        assert isinstance(projection, Fp8Linear)
+        x = torch.randn(200, projection.in_features)
+        dequantized = nn.functional.linear(
+            x, projection.dequantized_weight(torch.float32), projection.bias
+        )
+        err = _rel_err(projection(x), dequantized)
+        assert err < 1e-5 if exact else err > 1e-4, (projection, err)
 
 
 def test_load_with_quantization_flag_reports_fp8() -> None:
@@ -79,17 +118,46 @@ def test_load_with_quantization_flag_reports_fp8() -> None:
     assert isinstance(layer.mlp.gate_up_proj, Fp8Linear)
 
 
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen2-tiny"])  # untied, tied
+def test_lm_head_quantization_flag(shape: str) -> None:
+    """--lm-head-quantization fp8: the head becomes a per-row FP8 `Fp8Linear` (a tied head an
+    FP8 copy of its own; the embedding keeps the model dtype and its values); the logits stay
+    close to the unquantized head's; without the flag the head is untouched."""
+    plain = load_model(EngineConfig(model=f"random:{shape}", dtype="float32"), CPU)
+    loaded = load_model(
+        EngineConfig(model=f"random:{shape}", dtype="float32", lm_head_quantization="fp8"), CPU
+    )
+    assert (plain.lm_head_quantization, loaded.lm_head_quantization) == ("none", "fp8")
+    assert type(plain.model.lm_head) is nn.Linear
+    head = loaded.model.lm_head
+    assert isinstance(head, Fp8Linear) and head.weight.dtype == torch.float8_e4m3fn
+    assert loaded.quantization == "none"  # the projections are not asked for
+    embedding = loaded.model.model.embed_tokens.weight
+    assert embedding.dtype == torch.float32
+    assert torch.equal(embedding, plain.model.model.embed_tokens.weight)
+    hidden = torch.randn(5, loaded.config.hidden_size)
+    logits = loaded.model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert _rel_err(logits, plain.model.compute_logits(hidden)) < 0.05
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("unquantized_inputs", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
-def test_cuda_paths_match_the_cpu_arithmetic(device: torch.device, rows: int) -> None:
+def test_cuda_paths_match_the_cpu_arithmetic(
+    device: torch.device, rows: int, unquantized_inputs: bool
+) -> None:
     """Up to 16 rows the Triton weight-only product, beyond that per-token quantization and
-    torch._scaled_mm (bf16 on sm_90): both within bf16 rounding of the CPU arithmetic."""
+    torch._scaled_mm (bf16 on sm_90), or for a projection whose inputs stay unquantized (q/k/v)
+    the Triton matrix-unit product: each within bf16 rounding of the CPU arithmetic."""
     torch.manual_seed(rows)
     linear = _linear(1024, 512, bias=True, device=device).to(torch.bfloat16)
     fp8 = Fp8Linear.from_linear(linear)
+    cpu = Fp8Linear.from_linear(linear.float().cpu())
+    if unquantized_inputs:
+        fp8.weight_only_max_rows = cpu.weight_only_max_rows = sys.maxsize
     x = torch.randn(rows, 512, device=device, dtype=torch.bfloat16)
     out = fp8(x)
-    cpu = Fp8Linear.from_linear(linear.float().cpu())
     expected = cpu(x.float().cpu())
     assert out.dtype == torch.bfloat16
     assert _rel_err(out.float().cpu(), expected) < 1e-2

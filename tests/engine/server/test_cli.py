@@ -50,6 +50,7 @@ def test_defaults() -> None:
         (["--drain-timeout", "-3"], "--drain-timeout"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--runner", "v3"], "--runner"),
+        (["--lm-head-quantization", "int8"], "--lm-head-quantization"),
         (["--no-enable-chunked-prefill", "--max-model-len", "4096"], "--max-num-batched-tokens"),
         (["--bogus-flag"], "--bogus-flag"),
     ],
@@ -61,6 +62,13 @@ def test_bad_flags_exit_2_naming_the_flag(
         parse_args(["m.gguf", *argv])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_fp8_flags_map_onto_the_engine_config() -> None:
+    config, _, _ = parse_args(["m.gguf", "-q", "fp8", "--lm-head-quantization", "fp8"])
+    assert (config.quantization, config.lm_head_quantization) == ("fp8", "fp8")
+    config, _, _ = parse_args(["m.gguf", "--quantization", "fp8"])
+    assert config.lm_head_quantization is None  # the head is quantized only when asked
 
 
 def test_missing_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,3 +175,52 @@ def test_release_without_fp8_is_refused_naming_the_field_and_alternatives() -> N
     assert err.value.field == "engine.kvCacheDtype"
     assert "remove engine.kvCacheDtype" in err.value.message
     assert "engine.type: vllm" in err.value.message  # vLLM releases record no limit
+
+
+LM_HEAD = {"engine": {"quantization": "fp8", "lmHeadQuantization": "fp8"}}
+
+
+def test_lm_head_field_becomes_the_davit_flag_and_joins_the_identity() -> None:
+    args = _args(**LM_HEAD)
+    parsed = build_parser().parse_args(args)
+    assert (parsed.quantization, parsed.lm_head_quantization) == ("fp8", "fp8")
+    assert "--lm-head-quantization" not in _args(engine={"quantization": "fp8"})
+    assert "--lm-head-quantization" in OWNED_FLAGS
+    plan = make_plan("svc", "ns", make_spec(**LM_HEAD), CATALOG)
+    assert profile_identity(plan)["lmHeadQuantization"] == "fp8"
+    fp8 = make_plan("svc", "ns", make_spec(engine={"quantization": "fp8"}), CATALOG)
+    assert "lmHeadQuantization" not in profile_identity(fp8)
+
+
+def test_vllm_releases_refuse_the_lm_head_field() -> None:
+    """No vLLM release has the flag: planning refuses the field by name before any pod, and
+    names the Davit release that serves it."""
+    with pytest.raises(PlanError) as err:
+        _args(engine={"type": "vllm", "version": "0.30.0", **LM_HEAD["engine"]})
+    assert err.value.reason == "UnsupportedByEngine"
+    assert err.value.field == "engine.lmHeadQuantization"
+    assert "remove engine.lmHeadQuantization" in err.value.message
+    assert "davit" in err.value.message
+
+
+def test_lm_head_field_is_refused_on_accelerators_without_fp8() -> None:
+    a100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}
+    with pytest.raises(PlanError) as err:
+        make_plan("svc", "ns", make_spec(engine={"lmHeadQuantization": "fp8"}, accelerator=a100),
+                  CATALOG)  # fmt: skip
+    assert err.value.reason == "UnsupportedByAccelerator"
+    assert err.value.field == "engine.lmHeadQuantization"
+
+
+@pytest.mark.parametrize("shape_name", ["llama-3.1-8b", "qwen3-0.6b"])  # untied, tied
+def test_estimate_counts_an_fp8_lm_head(shape_name: str) -> None:
+    """Untied: the head's bf16 bytes become one byte per weight and a scale per row. Tied: the
+    embedding keeps its bytes and the FP8 head is a copy beside it."""
+    shape = SHAPES.shapes[shape_name]
+    head = shape.vocab_size * shape.hidden_size
+    fp8 = weight_bytes(shape, 2, Precision(1, 2))
+    with_head = weight_bytes(shape, 2, Precision(1, 2, fp8_lm_head=True))
+    if shape.tie_word_embeddings:
+        assert with_head - fp8 == head + 4 * shape.vocab_size
+    else:
+        assert fp8 - with_head == head - 4 * shape.vocab_size

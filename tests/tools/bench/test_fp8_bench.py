@@ -278,3 +278,16 @@ def test_launch_groups_split_a_kernel_by_launch_shape() -> None:
     assert groups["_qk_norm_rope_kernel"] == [[[256, 1, 1], [64, 1, 1], 164, 22528, 9e-06, 1]]
     assert groups["_merge_splits_kernel"] == []
     assert fp8.launch_groups({}) == {name: [] for name in fp8.GROUPED_KERNELS}
+
+
+def test_w2_floor_counts_each_variant_s_bytes() -> None:
+    """The W2 floor's bytes per step: FP8 projections halve theirs, an FP8 LM head halves the
+    head's (vocabulary x hidden, plus a scale per row), an FP8 cache the KV reads."""
+    from davit_tools.bench.workloads import W2, model_shape
+
+    w2 = W2()
+    c = model_shape(w2.model)
+    bf16, both, head = (fp8.w2_floor_bytes(w2, fp8.VARIANTS[name])
+                        for name in ("bf16", "fp8-both", "fp8-both-lm-head"))  # fmt: skip
+    assert both - head == c.vocab_size * c.hidden_size - 4 * c.vocab_size
+    assert 7.9e9 < both < 8.4e9 < 14.9e9 < bf16 < 15.5e9

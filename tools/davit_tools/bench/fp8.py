@@ -54,6 +54,7 @@ import functools
 import importlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def section_tests(args: argparse.Namespace) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
-        *args.tests_args.split(),
+        *shlex.split(args.tests_args),
         *TEST_PATHS,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout_s)
@@ -232,8 +233,10 @@ def _gemm_rows(
     ref = fp8_weight_matmul_reference(x.float(), fp8[0], scales[0])
     fp8_bytes = n * k + 4 * n
     weight_only: dict[str, float] = {}
-    # past 16 rows the engine quantizes the activations and calls torch._scaled_mm (below)
-    candidates: list[tuple[str, Any]] = [("default", None)] if rows <= 16 else []
+    # Past 16 rows the engine quantizes the activations and calls torch._scaled_mm (below),
+    # except for the projections of quant/fp8_linear.UNQUANTIZED_INPUTS (q/k/v), which keep
+    # the weight-only product at every row count: "default" is that product's tile there.
+    candidates: list[tuple[str, Any]] = [("default", None)]
     if rows <= 8:
         candidates += [(_label(cfg), cfg) for cfg in gemv]
     if fp8_gemv.MAX_ROWS < rows <= 16:
@@ -514,6 +517,7 @@ class Variant:
     kv_cache_dtype: str
     # engine module switches (module, attribute, value) set while this variant's engine exists
     switches: tuple[tuple[str, str, object], ...] = ()
+    lm_head_quantization: str | None = None  # --lm-head-quantization
 
 
 def _attention_variants(suffix: str, attribute: str, value: object) -> dict[str, Variant]:
@@ -532,6 +536,8 @@ VARIANTS = {
     "fp8-kv": Variant("fp8-kv", None, "fp8"),
     "fp8-weights": Variant("fp8-weights", "fp8", "auto"),
     "fp8-both": Variant("fp8-both", "fp8", "fp8"),
+    # and the LM head's weight in FP8 (lossy, its own flag)
+    "fp8-both-lm-head": Variant("fp8-both-lm-head", "fp8", "fp8", lm_head_quantization="fp8"),
     # SiLU x up as its own kernel after the gate/up product, not in its epilogue
     "fp8-both-separate-silu": Variant(
         "fp8-both-separate-silu",
@@ -592,8 +598,9 @@ VARIANTS = {
 
 def w2_floor_bytes(w2: W2, variant: Variant) -> int:
     """Bytes one W2 decode step must read at the floor context: every decoder projection at 1
-    byte per weight (plus its float32 channel scales) with FP8 weights, else 2; the LM head and
-    norms at 2; K and V at 1 or 2 bytes per element."""
+    byte per weight (plus its float32 channel scales) with FP8 weights, else 2; the LM head at
+    1 (plus a float32 scale per row) with an FP8 head, else 2; norms at 2; K and V at 1 or 2
+    bytes per element."""
     c = model_shape(w2.model)
     per_layer_proj = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
     per_layer_proj += 3 * c.hidden_size * c.intermediate_size
@@ -605,6 +612,10 @@ def w2_floor_bytes(w2: W2, variant: Variant) -> int:
     )
     rest = c.num_parameters() - c.vocab_size * c.hidden_size - proj
     weights = proj * (1 if variant.quantization else 2) + (scales if variant.quantization else 0)
+    if variant.lm_head_quantization:
+        head = c.vocab_size * c.hidden_size
+        weights += head + 4 * c.vocab_size
+        rest -= head
     kv_element = 1 if variant.kv_cache_dtype != "auto" else 2
     kv = w2.floor_context * c.num_layers * c.num_kv_heads * c.head_dim * 2 * kv_element
     return weights + 2 * rest + kv
@@ -635,6 +646,7 @@ def _run_workload(
     try:
         core = make_core(workload.model, "v2", False, "bfloat16",
                          quantization=variant.quantization, kv_cache_dtype=variant.kv_cache_dtype,
+                         lm_head_quantization=variant.lm_head_quantization,
                          **workload.engine_limits())  # fmt: skip
         setup_s = time.perf_counter() - start
         vocab = core.model_info.vocab_size
@@ -964,7 +976,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-seconds", type=float, default=60)
     parser.add_argument("--memory-timeout-s", type=float, default=200)
     parser.add_argument("--tests-timeout-s", type=float, default=240)
-    parser.add_argument("--tests-args", default="", help='extra pytest arguments, e.g. "-m gpu"')
+    parser.add_argument(
+        "--tests-args",
+        default="",
+        help="extra pytest arguments, split as a shell would: -m gpu -k 'gemv or cuda_paths'",
+    )
     parser.add_argument("--deadline-s", type=float, default=560, help="skip sections after this")
     parser.add_argument("--smollm2-gguf", type=Path, default=None)
     parser.add_argument("--quality-text", default="tests/data/text/tom-sawyer-chapter-1.txt")

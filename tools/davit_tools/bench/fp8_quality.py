@@ -11,7 +11,7 @@ fixed text and greedy agreement, on any device.
   ignored; `agreement` compares two sets of completions token by token.
 
 Configurations are `QualityConfig`s: the EngineConfig flags that matter (`quantization`,
-`kv_cache_dtype`), so the loader, the calibration of the KV scales and the runner are the ones
+`kv_cache_dtype`, `lm_head_quantization`), so the loader, the calibration of the KV scales and the runner are the ones
 that serve.
 """
 
@@ -39,6 +39,7 @@ class QualityConfig:
     name: str
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    lm_head_quantization: str | None = None
 
 
 CONFIGS = (
@@ -46,13 +47,21 @@ CONFIGS = (
     QualityConfig("fp8-weights", quantization="fp8"),
     QualityConfig("fp8-kv", kv_cache_dtype="fp8"),
     QualityConfig("fp8-both", quantization="fp8", kv_cache_dtype="fp8"),
+    # the LM head in FP8 too (--lm-head-quantization: lossy beyond the projections)
+    QualityConfig("fp8-weights-lm-head", quantization="fp8", lm_head_quantization="fp8"),
+    QualityConfig(
+        "fp8-both-lm-head", quantization="fp8", kv_cache_dtype="fp8", lm_head_quantization="fp8"
+    ),
 )
 
 
 def engine_config(base: Any, quality: QualityConfig) -> Any:
     """`base` (an EngineConfig) with the configuration's FP8 flags."""
     return dataclasses.replace(
-        base, quantization=quality.quantization, kv_cache_dtype=quality.kv_cache_dtype
+        base,
+        quantization=quality.quantization,
+        kv_cache_dtype=quality.kv_cache_dtype,
+        lm_head_quantization=quality.lm_head_quantization,
     )
 
 
