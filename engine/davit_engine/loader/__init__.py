@@ -231,7 +231,7 @@ def load_model(
         kv_scale_source = "calibrated"
         logger.info("fp8 KV cache: per-layer scales calibrated at load")
     logger.info(
-        "loaded %s (%s, %s, %.1fM parameters) as %s on %s (projections: %s)",
+        "loaded %s (%s, %s, %.1fM parameters) as %s on %s (projections: %s, LM head: %s)",
         config.model,
         kind,
         model_config.architecture,
@@ -239,6 +239,7 @@ def load_model(
         dtype,
         device,
         "fp8" if quantization == "fp8" else "model dtype",
+        "fp8" if lm_head_quantization == "fp8" else "model dtype",
     )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the unquantized weights and the calibration's blocks

@@ -114,9 +114,10 @@ def test_fused_layers_with_an_fp8_cache_rotate_queries_before_attention(
 ) -> None:
     """With an FP8 cache and the Triton backend the rotary kernel quantizes keys and values into
     the cache and hands attention its queries rotated (`q @ H`), so the attention kernel does
-    not rotate them. Against the same fused model with attention rotating them (and, in
-    float32, against the plain model, whose cache `write_kv` writes): the same cache bytes and
-    the same logits. (In bf16 the plain model rounds differently in the other fused layers.)"""
+    not rotate them. Against the same fused model with attention rotating them: the same
+    cache bytes and the same logits; in float32 against the plain model, whose cache
+    `write_kv` writes: the same logits and bytes up to a rare rounding flip. (In bf16 the
+    plain model rounds differently in the other fused layers.)"""
     torch.manual_seed(11)
     config = EngineConfig(model=model, dtype=str(dtype).removeprefix("torch."), device=device.type)
     plain = load_model(config, device).model
@@ -145,7 +146,12 @@ def test_fused_layers_with_an_fp8_cache_rotate_queries_before_attention(
     assert float((logits - logits_unrotated).abs().max()) <= 1e-5 * scale
     if dtype == torch.float32:
         logits_plain, cache_plain = _fp8_prefill(plain, device, ids)
-        assert torch.equal(cache, cache_plain)
+        # The plain model's norms and products sum in another order, so a value lying at an
+        # e4m3 rounding midpoint may round the other way (one byte of 4,096 on one CPU, none
+        # on another): at most a few bytes, each one e4m3 step from the fused model's.
+        differ = cache != cache_plain
+        assert int(differ.sum()) <= 4
+        assert bool(((cache.int() - cache_plain.int())[differ].abs() == 1).all())
         assert float((logits - logits_plain).abs().max()) <= 1e-4 * scale
 
 
