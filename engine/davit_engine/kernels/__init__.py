@@ -27,6 +27,21 @@ def multiprocessors(device: torch.device) -> int:
     return _cuda_multiprocessors(device.index)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, decided once per device (launches are hot
+    paths); (0, 0) off a GPU."""
+    if device.type != "cuda":
+        return (0, 0)
+    return _cuda_capability(device.index)
+
+
+@functools.cache
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(
+        index if index is not None else torch.cuda.current_device()
+    )
+
+
 @functools.cache
 def _cuda_multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(

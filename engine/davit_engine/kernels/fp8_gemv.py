@@ -35,14 +35,13 @@ the SiLU kernel and the product's round trip through memory, at the same bytes o
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import interpreted, multiprocessors
+from davit_engine.kernels import capability, interpreted, multiprocessors
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE
@@ -119,15 +118,8 @@ def can_stream(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> boo
     if weight.shape[1] % 16 or weight.data_ptr() % 16:
         return False
     if x.device.type == "cuda":
-        return not interpreted() and _has_tma(x.device.index)
+        return not interpreted() and capability(x.device) >= (9, 0)
     return interpreted()
-
-
-@functools.cache
-def _has_tma(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(
-        index if index is not None else torch.cuda.current_device()
-    ) >= (9, 0)
 
 
 def default_split_k(n: int, k: int, config: GemvConfig, device: torch.device) -> int:

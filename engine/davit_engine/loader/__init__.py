@@ -262,15 +262,17 @@ def check_tensor_parallel(
     """Refuse, naming the flag, what tensor parallelism cannot run: a size that does not divide
     the model's heads and MLP width, and FP8 weights or KV cache (not split per rank yet)."""
     rank_config(model_config, config.tensor_parallel_size)
-    lm_head = config.lm_head_quantization is not None
-    if quantization == "fp8" or is_fp8_kv(config.kv_cache_dtype) or lm_head:
-        flag = (
-            "--kv-cache-dtype"
-            if is_fp8_kv(config.kv_cache_dtype)
-            else "--lm-head-quantization"
-            if lm_head and quantization != "fp8"
-            else "--quantization"
+    asked = [
+        flag
+        for flag, on in (
+            ("--kv-cache-dtype", is_fp8_kv(config.kv_cache_dtype)),
+            ("--quantization", quantization == "fp8"),
+            ("--lm-head-quantization", config.lm_head_quantization is not None),
         )
+        if on
+    ]
+    if asked:
+        flag = asked[0]
         raise ParamError(
             flag,
             f"FP8 is not supported with {TP_FLAG} {config.tensor_parallel_size} yet (its scales "

@@ -9,11 +9,11 @@ weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows
   (kernels/fp8_gemv.py), beyond a matrix-unit kernel. The step is bound by reading W, and no
   quantization kernel runs before the product.
 - CUDA, more rows (except for the projections of `UNQUANTIZED_INPUTS`, q/k/v and an FP8 LM
-  head, which keep the weight-only product at every row count), bf16 activations, compute capability 9.0+ and K, N multiples of 16 (the
-  library's constraints): the activations are quantized per token (one scale per row, its
-  absolute maximum over 448, computed on the fly) and `torch._scaled_mm` multiplies FP8 by FP8
-  with the row and channel scales applied to its float32 accumulator. Otherwise the Triton
-  product again.
+  head, which keep the weight-only product at every row count), bf16 activations, compute
+  capability 9.0+ and K, N multiples of 16 (the library's constraints): the activations are
+  quantized per token (one scale per row, its absolute maximum over 448, computed on the fly)
+  and `torch._scaled_mm` multiplies FP8 by FP8 with the row and channel scales applied to its
+  float32 accumulator. Otherwise the Triton product again.
 - CPU: the same arithmetic in plain torch (FP8 storage, float32 products rounded once to the
   activation dtype), with the per-token quantization of the activations emulated where CUDA
   would quantize them; the quality tests measure this path.
@@ -24,13 +24,12 @@ Weights quantized at load take their per-channel scale from the channel's absolu
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
 from torch import nn
 
-from davit_engine.kernels import fp8_gemv
+from davit_engine.kernels import capability, fp8_gemv
 from davit_engine.kernels.fp8_linear import (
     fp8_weight_matmul,
     quantize_rows,
@@ -139,7 +138,8 @@ class Fp8Linear(nn.Module):
             return False
         if self.in_features % 16 or self.out_features % 16:
             return False
-        return _has_rowwise_fp8_gemm(x.device.index)
+        # per-row and per-column scales in torch._scaled_mm: Hopper and newer
+        return capability(x.device) >= (9, 0)
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         if not self._uses_library_gemm(x):
@@ -171,14 +171,6 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:  # after the library product, in the activation dtype
             out = out + self.bias
         return out
-
-
-@functools.cache
-def _has_rowwise_fp8_gemm(device_index: int | None) -> bool:
-    """Whether `torch._scaled_mm` takes per-row and per-column scales here (Hopper and newer);
-    decided once per device, since `forward` is a hot path."""
-    index = device_index if device_index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 # Where the activations are never quantized to FP8: these run the weight-only product at every

@@ -9,7 +9,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   8 / 16 / 256 rows, inside CUDA graphs with weights cycled beyond L2: the bf16 library GEMM,
   the engine's default FP8 weight-only product, the matrix-vector kernel's tiles
   (`--gemv-configs`, up to 8 rows; a fifth field streams W at one row through that many
-  pipeline stages, a sixth (1) fetches its first tile before the PDL wait), the matrix-unit kernel's tiles (`--gemm-configs`), and
+  pipeline stages, a sixth (1) fetches its first tile before the PDL wait), the matrix-unit
+  kernel's tiles (`--gemm-configs`), and
   per-token quantization + `torch._scaled_mm`; each FP8 result's error against the
   dequantized product and its FP8 bytes per second; a `gemm_best` row per shape and row count
   names the fastest FP8 weight-only variant; at gate_up and one or two rows also the product
@@ -573,14 +574,17 @@ VARIANTS = {
     # first tile fetched before the wait for the kernel before (fp8_gemv.STREAM_STAGES,
     # STREAM_PRELOAD)
     **{
-        f"fp8-both-stream{stages}{'-preload' if preload else ''}": Variant(
-            f"fp8-both-stream{stages}{'-preload' if preload else ''}",
-            "fp8",
-            "fp8",
-            (("davit_engine.kernels.fp8_gemv", "STREAM_STAGES", stages),)
-            + ((("davit_engine.kernels.fp8_gemv", "STREAM_PRELOAD", 1),) if preload else ()),
+        v.name: v
+        for v in (
+            Variant(
+                f"fp8-both-stream{stages}{'-preload' if preload else ''}",
+                "fp8",
+                "fp8",
+                (("davit_engine.kernels.fp8_gemv", "STREAM_STAGES", stages),)
+                + ((("davit_engine.kernels.fp8_gemv", "STREAM_PRELOAD", 1),) if preload else ()),
+            )
+            for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
         )
-        for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
     },
     # balanced splits and the rotary kernel's two switches together
     "fp8-kv-balanced-rotary-8w-hmem": Variant(

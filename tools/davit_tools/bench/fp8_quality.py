@@ -11,8 +11,8 @@ fixed text and greedy agreement, on any device.
   ignored; `agreement` compares two sets of completions token by token.
 
 Configurations are `QualityConfig`s: the EngineConfig flags that matter (`quantization`,
-`kv_cache_dtype`, `lm_head_quantization`), so the loader, the calibration of the KV scales and the runner are the ones
-that serve.
+`kv_cache_dtype`, `lm_head_quantization`), so the loader, the calibration of the KV scales and
+the runner are the ones that serve.
 """
 
 from __future__ import annotations
