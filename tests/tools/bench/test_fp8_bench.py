@@ -291,3 +291,31 @@ def test_w2_floor_counts_each_variant_s_bytes() -> None:
                         for name in ("bf16", "fp8-both", "fp8-both-lm-head"))  # fmt: skip
     assert both - head == c.vocab_size * c.hidden_size - 4 * c.vocab_size
     assert 7.9e9 < both < 8.4e9 < 14.9e9 < bf16 < 15.5e9
+
+
+def test_variants_joined_by_plus_set_every_part_and_refuse_conflicts() -> None:
+    """Joining with "+" times's switches together with their agreed precision settings; parts that
+    disagree on a precision or set one switch twice are refused, naming the variant."""
+    joined = fp8.variant_named("fp8-both-stream4-preload+fp8-both-lm-head")
+    assert joined.name == "fp8-both-stream4-preload+fp8-both-lm-head"
+    assert (joined.quantization, joined.kv_cache_dtype, joined.lm_head_quantization) == (
+        "fp8",
+        "fp8",
+        "fp8",
+    )
+    assert joined.switches == fp8.VARIANTS["fp8-both-stream4-preload"].switches
+    w1 = fp8.variant_named("fp8-kv-balanced+fp8-kv-rotary-8w")
+    assert w1.kv_cache_dtype == "fp8" and w1.quantization is None
+    assert {(m.rsplit(".", 1)[-1], a) for m, a, _ in w1.switches} == {
+        ("paged_attention", "BALANCE_SPLITS"),
+        ("layer_ops", "ROTARY_FP8_NUM_WARPS"),
+    }
+    assert fp8.variant_named("bf16") is fp8.VARIANTS["bf16"]
+    with pytest.raises(ValueError, match="disagree on kv_cache_dtype"):
+        fp8.variant_named("bf16-balanced+fp8-kv")
+    with pytest.raises(ValueError, match="same switch twice"):
+        fp8.variant_named("fp8-kv-rotary-8w+fp8-kv-rotary-8w-hmem")
+    with pytest.raises(ValueError, match="unknown variant"):
+        fp8.variant_named("fp8-both+nonsense")
+    with pytest.raises(SystemExit):
+        fp8.main(["--w2-variants", "fp8-both,bf16+fp8-both", "--sections", "w2"])

@@ -31,7 +31,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   FP8 rotary kernel's launch `fp8-kv-rotary-{8w,hmem,8w-hmem}`, and balanced with both rotary
   switches `fp8-kv-balanced-rotary-8w-hmem`); with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
-  median over the first variant's (`w1-rounds`, `w2-rounds`);
+  median over the first variant's (`w1-rounds`, `w2-rounds`); a variant may join several with
+  "+" (`fp8-both-stream4-preload+fp8-both-lm-head`: their switches together);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
   `--rounds`): the prefill part of W1, prompt tokens per second;
 - `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
@@ -600,6 +601,38 @@ VARIANTS = {
 }
 
 
+def variant_named(name: str) -> Variant:
+    """The variant `name`: one of `VARIANTS`, or several joined by "+" (their switches together,
+    in order), so that one call can time a combination of switches without a new entry. The
+    parts must name one KV cache dtype; a weight or LM head quantization set by one part (None
+    sets none) must not differ from another's."""
+    parts = name.split("+")
+    unknown = [part for part in parts if part not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    if len(parts) == 1:
+        return VARIANTS[name]
+    chosen = [VARIANTS[part] for part in parts]
+
+    def agreed(field: str, unset: object) -> Any:
+        values = {getattr(v, field) for v in chosen} - {unset}
+        if len(values) > 1:
+            raise ValueError(f"variant {name!r}: its parts disagree on {field} ({sorted(values)})")
+        return values.pop() if values else unset
+
+    switches = tuple(sw for v in chosen for sw in v.switches)
+    settings = [(module, attribute) for module, attribute, _ in switches]
+    if len(set(settings)) != len(settings):
+        raise ValueError(f"variant {name!r}: its parts set the same switch twice")
+    return Variant(
+        name,
+        agreed("quantization", None),
+        agreed("kv_cache_dtype", object()),
+        switches,
+        agreed("lm_head_quantization", None),
+    )
+
+
 def w2_floor_bytes(w2: W2, variant: Variant) -> int:
     """Bytes one W2 decode step must read at the floor context: every decoder projection at 1
     byte per weight (plus its float32 channel scales) with FP8 weights, else 2; the LM head at
@@ -800,7 +833,7 @@ def section_w2(args: argparse.Namespace) -> None:
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(1, args.rounds + 1):  # variants interleaved, so drift hits each alike
         for name in names:
-            variant = VARIANTS[name]
+            variant = variant_named(name)
             res = _run_workload(w2, variant, args.copy_bw)
             outputs = list(res.pop("outputs").values())
             decode = w2.decode_tokens / (res["elapsed_s"] - res["first_token_s"])
@@ -831,7 +864,7 @@ def _w1_variant_rounds(
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(1, args.rounds + 1):
         for name in names:
-            res = _run_workload(workload, VARIANTS[name], args.copy_bw)
+            res = _run_workload(workload, variant_named(name), args.copy_bw)
             res.pop("outputs")
             if derive is not None:
                 derive(res)
@@ -865,7 +898,7 @@ def section_w1_profile(args: argparse.Namespace) -> None:
     largest kernels' totals (the profiler slows the host, so wall minus busy overstates the
     idle time of an unprofiled run)."""
     for name in args.w1_variants.split(","):
-        res = _run_workload(W1(), VARIANTS[name], args.copy_bw, profile=True)
+        res = _run_workload(W1(), variant_named(name), args.copy_bw, profile=True)
         res.pop("outputs")
         record("w1-profile", variant=name, **res, **versions())
 
@@ -992,9 +1025,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     for flag, given in (("--w1-variants", args.w1_variants), ("--w2-variants", args.w2_variants)):
-        unknown = [name for name in given.split(",") if name not in VARIANTS]
-        if unknown:
-            parser.error(f"{flag}: unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+        for name in given.split(","):
+            try:
+                variant_named(name)
+            except ValueError as exc:
+                parser.error(f"{flag}: {exc}")
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown section(s) {unknown}; choose from {sorted(SECTIONS)}")
