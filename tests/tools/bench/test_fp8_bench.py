@@ -294,8 +294,8 @@ def test_w2_floor_counts_each_variant_s_bytes() -> None:
 
 
 def test_variants_joined_by_plus_set_every_part_and_refuse_conflicts() -> None:
-    """Joining with "+" times's switches together with their agreed precision settings; parts that
-    disagree on a precision or set one switch twice are refused, naming the variant."""
+    """Variants joined with "+" run their switches together, with agreed precision settings; parts
+    that disagree on a precision or set one switch twice are refused, naming the variant."""
     joined = fp8.variant_named("fp8-both-stream4-preload+fp8-both-lm-head")
     assert joined.name == "fp8-both-stream4-preload+fp8-both-lm-head"
     assert (joined.quantization, joined.kv_cache_dtype, joined.lm_head_quantization) == (
