@@ -25,10 +25,13 @@ from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 # program's chain of instructions is what the step waits on. Compiled for sm_90 (Triton 3.6,
 # Qwen3-0.6B heads, queries rotated, cache written), registers and instructions per thread:
 # tile made in registers, 4 warps 148 and 2,320, 8 warps 92 and 1,552; read from memory, 4
-# warps 164 and 1,672, 8 warps 92 and 1,048 (bf16 cache, no rotation: 40 and 488). Not timed
-# on a GPU yet: module switches so that a benchmark can run the engine each way.
-ROTARY_FP8_NUM_WARPS = 4
-ROTARY_HADAMARD_FROM_MEMORY = False
+# warps 164 and 1,672, 8 warps 92 and 1,048 (bf16 cache, no rotation: 40 and 488). On an H100
+# (bench notes, run 24) W1 with an FP8 cache ran 3.0% faster with both switches on (25,862
+# against 25,107 output tok/s, medians of three). 8 warps change the matrix units' summation
+# order, so the rotated queries and cache bytes may differ from 4 warps' in the last place.
+# Module constants so that a benchmark can run the engine each way.
+ROTARY_FP8_NUM_WARPS = 8
+ROTARY_HADAMARD_FROM_MEMORY = True
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 

@@ -341,9 +341,12 @@ DECODE_PROGRAMS_PER_SM = {"model": 4, "fp8": 8}
 # Waves of those programs a split decode aims for (`split_target_programs`). On the H200's 132
 # multiprocessors both are 1,056 programs, against 528 before (bench notes, run 23): W1 ran 3.3%
 # faster with an FP8 cache and 2.4% with bf16 (three runs each); at 90 requests of 1,260 keys,
-# for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). Module
-# constants so that a benchmark can run the engine at other targets.
-SPLIT_WAVES = {"model": 2.0, "fp8": 1.0}
+# for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). The FP8
+# tile then went to two waves (2,112 programs on 132 multiprocessors; run 24, an H100: W1 with
+# an FP8 cache 26,204 output tok/s against 25,107 at one wave, medians of three; bf16 at four
+# waves 0.2% slower than at two, so it stays). Module constants so that a benchmark can run the
+# engine at other targets.
+SPLIT_WAVES = {"model": 2.0, "fp8": 2.0}
 # Whether a decode whose programs are just past the target (up to a quarter more: one full
 # wave and a sliver) splits in two, so that the second wave is not a few programs walking whole
 # contexts. At 144 requests of 1,060 keys (1,152 programs) two splits took 102.7 us against

@@ -7,13 +7,15 @@ weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows
   (kernels/fp8_linear.py) widens W's tiles in registers; the activations stay as they are. Up
   to `fp8_gemv.MAX_ROWS` rows that is a matrix-vector kernel streaming W at memory bandwidth
   (kernels/fp8_gemv.py), beyond a matrix-unit kernel. The step is bound by reading W, and no
-  quantization kernel runs before the product.
+  quantization kernel runs before the product. From `dequantize_min_rows` rows on (q/k/v at
+  prefill), where the product is bound by arithmetic, not by W: W dequantized into a transient
+  copy in the activation dtype (rounded once) and the library's GEMM (`dequantized_matmul`).
 - CUDA, more rows (except for the projections of `UNQUANTIZED_INPUTS`, q/k/v and an FP8 LM
   head, which keep the weight-only product at every row count), bf16 activations, compute
   capability 9.0+ and K, N multiples of 16 (the library's constraints): the activations are
   quantized per token (one scale per row, its absolute maximum over 448, computed on the fly)
   and `torch._scaled_mm` multiplies FP8 by FP8 with the row and channel scales applied to its
-  float32 accumulator. Otherwise the Triton product again.
+  float32 accumulator. Otherwise the weight-only products again, as above.
 - CPU: the same arithmetic in plain torch (FP8 storage, float32 products rounded once to the
   activation dtype), with the per-token quantization of the activations emulated where CUDA
   would quantize them; the quality tests measure this path.
@@ -31,6 +33,8 @@ from torch import nn
 
 from davit_engine.kernels import capability, fp8_gemv
 from davit_engine.kernels.fp8_linear import (
+    dequantize_weight_reference,
+    dequantized_matmul,
     fp8_weight_matmul,
     quantize_rows,
     quantize_rows_reference,
@@ -49,6 +53,9 @@ class Fp8Linear(nn.Module):
     # Rows up to which CUDA runs the weight-only product instead of the FP8 library GEMM
     # (decode at small batch). A class attribute, so a benchmark can move the boundary.
     weight_only_max_rows = 16
+    # Rows from which a weight-only product dequantizes W and calls the library GEMM instead of
+    # the matrix-unit tile (see the module docstring). Also a class attribute.
+    dequantize_min_rows = 64
 
     def __init__(
         self,
@@ -143,6 +150,8 @@ class Fp8Linear(nn.Module):
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         if not self._uses_library_gemm(x):
+            if x.shape[0] >= self.dequantize_min_rows:
+                return dequantized_matmul(x, self.weight, self.weight_scale, self.bias)
             return fp8_weight_matmul(x, self.weight, self.weight_scale, self.bias)
         x_q, x_scale = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
         out = torch._scaled_mm(
@@ -160,8 +169,16 @@ class Fp8Linear(nn.Module):
         """What CUDA computes, in plain torch: weight-only at few rows, else with the
         activations quantized per token as the library path does; float32 products and scales
         rounded once to the activation dtype, as the kernels' float32 accumulators are."""
+        rows = x.shape[0]
+        if self.dequantize_min_rows <= rows <= self.weight_only_max_rows:
+            # the library GEMM on W dequantized to x's dtype, bias in its float32 epilogue
+            weight = dequantize_weight_reference(self.weight, self.weight_scale, x.dtype).float()
+            out = x.float() @ weight.t()
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype)
         weight = self.weight.float()
-        if x.shape[0] <= self.weight_only_max_rows:  # the kernels add the bias in float32
+        if rows <= self.weight_only_max_rows:  # the kernels add the bias in float32
             out = (x.float() @ weight.t()) * self.weight_scale
             if self.bias is not None:
                 out = out + self.bias.float()
@@ -174,8 +191,8 @@ class Fp8Linear(nn.Module):
 
 
 # Where the activations are never quantized to FP8: these run the weight-only product at every
-# row count, prefill included (on CUDA the Triton matrix-unit kernel past 16 rows, at the
-# bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
+# row count, prefill included (on CUDA from `dequantize_min_rows` rows the library's bf16 GEMM
+# on a dequantized copy of W: the bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
 # costs the most (SmolLM2-135M, FP8 weights: perplexity +2.08% with every input quantized,
 # +1.51% with q/k/v's kept; docs/fp8.md, Quality); q/k/v are about a ninth of a Llama
 # layer's multiply-adds. The LM head (--lm-head-quantization): its rows are the sampled

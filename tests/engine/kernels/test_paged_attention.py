@@ -101,10 +101,9 @@ def test_default_num_splits(h200: torch.device) -> None:
     assert default_num_splits(90, 8, 2048, gpu) == 2  # 720 programs
     assert default_num_splits(132, 8, 2048, gpu) == 1  # 1,056 programs already
     assert default_num_splits(256, 8, 4096, gpu) == 1
-    for requests in (1, 16, 90, 132, 256):  # two waves of bf16's tile, one of FP8's: the same
-        assert default_num_splits(requests, 8, 2048, gpu, fp8=True) == default_num_splits(
-            requests, 8, 2048, gpu
-        )
+    # FP8: two waves of its tile (8 programs per multiprocessor), 2,112 programs: twice bf16's
+    fp8 = [default_num_splits(r, 8, 2048, gpu, fp8=True) for r in (1, 16, 90, 132, 256)]
+    assert fp8 == [16, 16, 3, 2, 2]
 
 
 def test_split_targets_follow_the_device_and_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,13 +112,14 @@ def test_split_targets_follow_the_device_and_the_cache(monkeypatch: pytest.Monke
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(pa, "multiprocessors", lambda device: 66)
-    assert pa.split_target_programs(gpu) == pa.split_target_programs(gpu, fp8=True) == 528
+    assert pa.split_target_programs(gpu) == 528
+    assert pa.split_target_programs(gpu, fp8=True) == 1056
     assert default_num_splits(66, 8, 2048, gpu) == 1  # one target's worth on half the GPU
     assert default_num_splits(45, 8, 2048, gpu) == 2
-    monkeypatch.setattr(pa, "SPLIT_WAVES", {"model": 2.0, "fp8": 2.0})
-    assert pa.split_target_programs(gpu, fp8=True) == 1056
     assert default_num_splits(66, 8, 2048, gpu, fp8=True) == 2
-    assert default_num_splits(66, 8, 2048, gpu) == 1
+    monkeypatch.setattr(pa, "SPLIT_WAVES", {"model": 2.0, "fp8": 1.0})
+    assert pa.split_target_programs(gpu, fp8=True) == 528
+    assert default_num_splits(66, 8, 2048, gpu, fp8=True) == 1
 
 
 def test_split_past_a_full_wave(monkeypatch: pytest.MonkeyPatch, h200: torch.device) -> None:

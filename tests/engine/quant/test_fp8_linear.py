@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from davit_engine.config import EngineConfig
+from davit_engine.kernels.fp8_linear import dequantize_weight_reference
 from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.loader import load_model
 from davit_engine.models.llama import LlamaDecoderLayer
@@ -143,13 +144,15 @@ def test_lm_head_quantization_flag(shape: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("unquantized_inputs", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 32, 63, 64, 300])
 def test_cuda_paths_match_the_cpu_arithmetic(
     device: torch.device, rows: int, unquantized_inputs: bool
 ) -> None:
     """Up to 16 rows the Triton weight-only product, beyond that per-token quantization and
     torch._scaled_mm (bf16 on sm_90), or for a projection whose inputs stay unquantized (q/k/v)
-    the Triton matrix-unit product: each within bf16 rounding of the CPU arithmetic."""
+    the Triton matrix-unit product, and from `dequantize_min_rows` (64) the library GEMM on a
+    dequantized copy of W: each within bf16 rounding of the CPU arithmetic."""
+    assert Fp8Linear.dequantize_min_rows == 64
     torch.manual_seed(rows)
     linear = _linear(1024, 512, bias=True, device=device).to(torch.bfloat16)
     fp8 = Fp8Linear.from_linear(linear)
@@ -180,3 +183,25 @@ def test_forward_silu_mul_is_the_activation_of_the_product(device: torch.device,
     else:
         torch.testing.assert_close(out, two_kernels, rtol=1e-2, atol=1e-3)
     assert fp8.forward_silu_mul(x.view(1, rows, 96)).shape == (1, rows, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_only_rows_past_the_dequantize_boundary(dtype: torch.dtype) -> None:
+    """A projection whose inputs stay unquantized (q/k/v): below `dequantize_min_rows` rows the
+    CPU arithmetic multiplies by the FP8 weight in float32 and scales the result; from it on, by
+    W dequantized to the activation dtype (what the library GEMM gets on CUDA). In float32 the
+    two are equal up to summation order; in bf16 they differ by the copy's rounding only."""
+    torch.manual_seed(5)
+    fp8 = Fp8Linear.from_linear(_linear(48, 64, bias=True).to(dtype))
+    fp8.weight_only_max_rows = sys.maxsize
+    x = torch.randn(Fp8Linear.dequantize_min_rows, 64).to(dtype)
+    below = fp8(x[:-1])
+    at = fp8(x)
+    exact = nn.functional.linear(
+        x.double(), fp8.dequantized_weight(torch.float64), fp8.bias.double()
+    )
+    assert _rel_err(below.double(), exact[:-1]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel_err(at.double(), exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+    copy = dequantize_weight_reference(fp8.weight, fp8.weight_scale, dtype).float()
+    expected = (x.float() @ copy.t() + fp8.bias.float()).to(dtype)
+    assert torch.equal(at, expected)

@@ -237,7 +237,7 @@ def test_w1_trajectory_row_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # the model's figure beside each timing: balanced runs cut the longest program
     assert row["fp8_model"] > 0 and row["fp8_bal_model"] <= row["fp8_model"]
     assert len(calls) == 12
-    assert pa.BALANCE_SPLITS is False and pa.SPLIT_WAVES == {"model": 2.0, "fp8": 1.0}
+    assert pa.BALANCE_SPLITS is False and pa.SPLIT_WAVES == {"model": 2.0, "fp8": 2.0}
     assert pa.BALANCED_WAVES == {"model": 3.0, "fp8": 3.0}
 
 
@@ -304,7 +304,7 @@ def test_variants_joined_by_plus_set_every_part_and_refuse_conflicts() -> None:
         "fp8",
     )
     assert joined.switches == fp8.VARIANTS["fp8-both-stream4-preload"].switches
-    w1 = fp8.variant_named("fp8-kv-balanced+fp8-kv-rotary-8w")
+    w1 = fp8.variant_named("fp8-kv-balanced+fp8-kv-rotary-4w")
     assert w1.kv_cache_dtype == "fp8" and w1.quantization is None
     assert {(m.rsplit(".", 1)[-1], a) for m, a, _ in w1.switches} == {
         ("paged_attention", "BALANCE_SPLITS"),
@@ -314,7 +314,7 @@ def test_variants_joined_by_plus_set_every_part_and_refuse_conflicts() -> None:
     with pytest.raises(ValueError, match="disagree on kv_cache_dtype"):
         fp8.variant_named("bf16-balanced+fp8-kv")
     with pytest.raises(ValueError, match="same switch twice"):
-        fp8.variant_named("fp8-kv-rotary-8w+fp8-kv-rotary-8w-hmem")
+        fp8.variant_named("fp8-kv-rotary-4w+fp8-kv-rotary-4w-reg")
     with pytest.raises(ValueError, match="unknown variant"):
         fp8.variant_named("fp8-both+nonsense")
     with pytest.raises(SystemExit):

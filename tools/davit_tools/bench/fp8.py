@@ -27,16 +27,17 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   one-row products), decode tok/s
   against each one's bandwidth floor, and whether the greedy tokens agree;
 - `w1`: W1 the same way, bf16 then an FP8 KV cache (`--w1-variants`: also split targets
-  `*-splits-528` / `*-splits-2112`, `*-split-past-wave`, balanced splits `*-balanced`, and the
-  FP8 rotary kernel's launch `fp8-kv-rotary-{8w,hmem,8w-hmem}`, and balanced with both rotary
-  switches `fp8-kv-balanced-rotary-8w-hmem`); with `--rounds N` both W1 and W2 run
+  `*-splits-528` / `*-splits-1056` / `*-splits-2112`, `*-split-past-wave`, balanced splits
+  `*-balanced`, and the FP8 rotary kernel's launch `fp8-kv-rotary-{4w,reg,4w-reg}` (`4w-reg`:
+  the launch before run 24)); with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`); a variant may join several with
   "+" (`fp8-both-stream4-preload+fp8-both-lm-head`: their switches together);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
   `--rounds`): the prefill part of W1, prompt tokens per second;
 - `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
-  FP8, split as the engine does, FP8 at two waves, balanced, and at the mean context;
+  FP8, split as the engine does, FP8 at twice the engine's waves, balanced, and at the mean
+  context;
 - `w1-profile`: one W1 run per variant under the torch profiler: GPU busy time (the union of
   kernel intervals), the largest kernels' totals, and the attention, rotary and merge
   kernels' launches grouped by launch shape (`launch_groups`);
@@ -192,6 +193,10 @@ def _weight_only(
 ) -> torch.Tensor:
     from davit_engine.kernels.fp8_linear import fp8_weight_matmul
 
+    if config == "dequantized":  # W dequantized to x's dtype, then the library GEMM
+        from davit_engine.kernels.fp8_linear import dequantized_matmul
+
+        return dequantized_matmul(x, fp8[i], scales[i])
     return fp8_weight_matmul(x, fp8[i], scales[i], config=config)
 
 
@@ -204,7 +209,6 @@ def _gemm_rows(
     from davit_engine.kernels import fp8_gemv
     from davit_engine.kernels.fp8_linear import (
         default_config,
-        fp8_weight_matmul,
         fp8_weight_matmul_reference,
         quantize_rows,
     )
@@ -237,8 +241,12 @@ def _gemm_rows(
     weight_only: dict[str, float] = {}
     # Past 16 rows the engine quantizes the activations and calls torch._scaled_mm (below),
     # except for the projections of quant/fp8_linear.UNQUANTIZED_INPUTS (q/k/v), which keep
-    # the weight-only product at every row count: "default" is that product's tile there.
+    # the weight-only product at every row count: "default" is the matrix-unit tile there,
+    # "dequantized" the library GEMM on W dequantized to bf16 (from
+    # Fp8Linear.dequantize_min_rows rows on, the engine's choice).
     candidates: list[tuple[str, Any]] = [("default", None)]
+    if rows > 16:
+        candidates += [("dequantized", "dequantized")]
     if rows <= 8:
         candidates += [(_label(cfg), cfg) for cfg in gemv]
     if fp8_gemv.MAX_ROWS < rows <= 16:
@@ -247,7 +255,7 @@ def _gemm_rows(
         candidates += [(_label(cfg), cfg) for cfg in extra]
     for label, cfg in candidates:
         try:
-            err = _rel_err(fp8_weight_matmul(x, fp8[0], scales[0], config=cfg), ref)
+            err = _rel_err(_weight_only(x, fp8, scales, cfg, 0), ref)
             us = graph_us(cycled(functools.partial(_weight_only, x, fp8, scales, cfg)), 20)
             row[label + "_us"] = round(us, 2)
             row[label + "_tb_s"] = round(fp8_bytes / us / 1e6, 2)
@@ -450,8 +458,8 @@ def _trajectory_row(
     step: int, device: str = "cuda", horizon: int = 2048, heads: tuple[int, int, int] = (16, 8, 128)
 ) -> dict[str, Any]:
     """Decode attention at one W1 step, its real spread of contexts, each way of splitting:
-    the engine's (proportional runs, `split_target_programs`), FP8 at two waves of its tile
-    (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles; `*_bal{N}` at N waves of
+    the engine's (proportional runs, `split_target_programs`), FP8 at twice the engine's waves of
+    its tile (`fp8_2w`), balanced (`*_bal`: every split the same run of tiles; `*_bal{N}` at N waves of
     the tile's programs instead of the engine's `BALANCED_WAVES`), and the step's contexts
     all at their mean (`*_mean`: what a uniform-length timing would say); beside each timing
     the split model's figure for the launch (`*_model`). FP8 as the V2 runner
@@ -547,17 +555,19 @@ VARIANTS = {
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "FUSE_FP8_GATE_ACTIVATION", False),),
     ),  # fmt: skip
-    # split decodes aiming at other program counts than the engine's (on the H200 1,056 for
-    # both caches: `SPLIT_WAVES`): half (528, the target before run 23) or twice (2,112: two
-    # waves of the FP8 tile's programs, four of bf16's); decodes
+    # split decodes aiming at given program counts on 132 multiprocessors (the engine's since
+    # run 24, `SPLIT_WAVES`: bf16 1,056, FP8 2,112): 528 for both (the target before run 23),
+    # 1,056 (run 23's), 2,112 (four waves of bf16's tile, two of FP8's); decodes
     # just past one full wave of programs split in two (SPLIT_PAST_FULL_WAVE); balanced splits
     # (BALANCE_SPLITS: every split the same run of key tiles)
     **_attention_variants("splits-528", "SPLIT_WAVES", {"model": 1.0, "fp8": 0.5}),
+    **_attention_variants("splits-1056", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.0}),
     **_attention_variants("splits-2112", "SPLIT_WAVES", {"model": 4.0, "fp8": 2.0}),
     **_attention_variants("balanced", "BALANCE_SPLITS", True),
     **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
-    # the FP8 cache's rotary kernel at 8 warps per program, with the Hadamard tile read from
-    # memory, and both (layer_ops.ROTARY_FP8_NUM_WARPS, ROTARY_HADAMARD_FROM_MEMORY)
+    # the FP8 cache's rotary kernel at 4 warps per program (the default is 8), with the
+    # Hadamard tile made in registers (the default reads it from memory), and both
+    # (layer_ops.ROTARY_FP8_NUM_WARPS, ROTARY_HADAMARD_FROM_MEMORY)
     **{
         f"fp8-kv-rotary-{suffix}": Variant(
             f"fp8-kv-rotary-{suffix}",
@@ -566,9 +576,10 @@ VARIANTS = {
             tuple(("davit_engine.kernels.layer_ops", name, value) for name, value in switches),
         )
         for suffix, switches in (
-            ("8w", (("ROTARY_FP8_NUM_WARPS", 8),)),
-            ("hmem", (("ROTARY_HADAMARD_FROM_MEMORY", True),)),
-            ("8w-hmem", (("ROTARY_FP8_NUM_WARPS", 8), ("ROTARY_HADAMARD_FROM_MEMORY", True))),
+            ("4w", (("ROTARY_FP8_NUM_WARPS", 4),)),
+            ("reg", (("ROTARY_HADAMARD_FROM_MEMORY", False),)),
+            # the launch before run 24: 4 warps, the tile made in registers
+            ("4w-reg", (("ROTARY_FP8_NUM_WARPS", 4), ("ROTARY_HADAMARD_FROM_MEMORY", False))),
         )
     },
     # the one-row FP8 products with W streamed through 3 or 4 pipeline stages, and with the
@@ -587,17 +598,6 @@ VARIANTS = {
             for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
         )
     },
-    # balanced splits and the rotary kernel's two switches together
-    "fp8-kv-balanced-rotary-8w-hmem": Variant(
-        "fp8-kv-balanced-rotary-8w-hmem",
-        None,
-        "fp8",
-        (
-            ("davit_engine.kernels.paged_attention", "BALANCE_SPLITS", True),
-            ("davit_engine.kernels.layer_ops", "ROTARY_FP8_NUM_WARPS", 8),
-            ("davit_engine.kernels.layer_ops", "ROTARY_HADAMARD_FROM_MEMORY", True),
-        ),
-    ),
 }
 
 
