@@ -236,23 +236,23 @@ def _rotary_switch_case(
     if device.type != "cuda" or warps == default_warps:
         assert torch.equal(q_switched, q_default) and torch.equal(cache_switched, cache_default)
         return
-    q_steps = _ulp_steps(q_switched, q_default)
+    # A rotated query is a sum of a head's 128 products: where it nearly cancels, another
+    # summation order moves it by several of its own last places, but by no more than about
+    # one last place of the head's largest value. (H100, 256 tokens: 68 of 524,288 query
+    # values differed, at most 4 of their own last places; no cache byte differed.)
+    diff = (q_switched.float() - q_default.float()).abs()
+    head_max = q_default.float().abs().amax(dim=-1, keepdim=True)
     # e4m3 bytes of one sign are ordered like their values: one step apart is one code apart
     byte_steps = (cache_switched.int() - cache_default.int()).abs()
     summary = (
-        f"queries: {int((q_steps > 0).sum())} of {q_steps.numel()} differ, at most"
-        f" {int(q_steps.max())} units; cache: {int((byte_steps > 0).sum())} of"
-        f" {byte_steps.numel()} bytes differ, at most {int(byte_steps.max())} steps"
+        f"queries: {int((diff > 0).sum())} of {diff.numel()} differ, at most"
+        f" {float((diff / head_max).max()):.2e} of their head's largest; cache:"
+        f" {int((byte_steps > 0).sum())} of {byte_steps.numel()} bytes differ, at most"
+        f" {int(byte_steps.max())} steps"
     )
-    assert int(q_steps.max()) <= 1 and float((q_steps > 0).float().mean()) < 0.05, summary
+    assert bool((diff <= head_max * 2**-7).all()), summary
+    assert float((diff > 0).float().mean()) < 0.01, summary
     assert int(byte_steps.max()) <= 1 and float((byte_steps > 0).float().mean()) < 0.01, summary
-
-
-def _ulp_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many units in the last place two tensors of one 16-bit float dtype are apart (same
-    signs assumed where they differ; a sign flip shows as a large count)."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-    return (a.view(bits).int() - b.view(bits).int()).abs()
 
 
 # every launch other than the default one (tile made in registers or read from memory; 4 or 8
