@@ -89,8 +89,11 @@ MAX_ROWS = 2
 ROWS_PER_PROGRAM = 4
 # Programs per multiprocessor that `default_split_k` aims for.
 _PROGRAMS_PER_SM = 4
-# The one-row default's streaming (`GemvConfig.stages` and `preload`): off until the H200 times
-# it (bench notes); switches for the bench's variants.
+# The one-row default's streaming (`GemvConfig.stages` and `preload`): off. On an H100 (bench
+# notes, run 24) W2 with FP8 weights and KV ran slower with it, 251.8-257.4 decode tok/s at 3
+# or 4 stages with or without the preload against 270.3 without (medians of three), and the
+# products alone were level at qkv and gate/up and slower at o and down (down 28.1 us at 4
+# stages against 22.4). Switches for the bench's variants.
 STREAM_STAGES = 0
 STREAM_PRELOAD = 0
 
