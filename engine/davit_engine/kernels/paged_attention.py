@@ -338,8 +338,8 @@ MAX_SPLITS = 16
 # thread x 4 warps and 38 KB of shared memory (4 by registers), the FP8 tile at its register cap
 # 128 x 2 warps and 22 KB (8 by registers).
 DECODE_PROGRAMS_PER_SM = {"model": 4, "fp8": 8}
-# Waves of those programs a split decode aims for (`split_target_programs`). On the H200's 132
-# multiprocessors both are 1,056 programs, against 528 before (bench notes, run 23): W1 ran 3.3%
+# Waves of those programs a split decode aims for (`split_target_programs`). Run 23 (bench
+# notes; the H200's 132 multiprocessors) set both to 1,056 programs, from 528: W1 ran 3.3%
 # faster with an FP8 cache and 2.4% with bf16 (three runs each); at 90 requests of 1,260 keys,
 # for one, two splits took 79.2 us against 84.8 unsplit (bf16 122.5 against 139.3). The FP8
 # tile then went to two waves (2,112 programs on 132 multiprocessors; run 24, an H100: W1 with
@@ -359,7 +359,9 @@ SPLIT_PAST_FULL_WAVE = False
 # the step does not wait on its longest requests' programs. Proportional splits (each request's
 # keys in `num_splits` runs) leave an FP8 step of one wave as long as its longest context: in W1
 # contexts run from 100 to 1,024 keys past the step, so the longest is 1.5x the mean mid-run.
-# Off: not yet timed on a GPU; a switch so that a benchmark can run the engine each way.
+# Off: on an H100 (bench notes, run 24) W1 ran slower with it, FP8 -1.9% and bf16 -0.6%
+# (medians of three), and the balanced FP8 decode was slower at 6 of 7 of W1's steps; a switch
+# so that a benchmark can run the engine each way.
 BALANCE_SPLITS = False
 # Waves per cache kind: the best of 2, 3 and 4 for both in the list-scheduling model of W1
 # (`python -m davit_tools.bench.split_model`: FP8 -14.6%, bf16 -5.5% against the engine's
