@@ -12,12 +12,12 @@ Kernels, each beside its plain-torch reference:
   bytes of a bf16 weight and needs no quantization of the activations.
 - `quantize_rows`: x [M, K] -> FP8 rows and one float32 scale per row (`amax / 448`), for
   `torch._scaled_mm` at many rows (prefill), where FP8 matrix units double the rate.
-- `dequantize_weight`: W_fp8 * w_scale rounded once to the activation dtype, for
-  `dequantized_matmul`: where many rows multiply a weight whose activations are not quantized
-  (q/k/v at prefill), the library's bf16 GEMM on a transient dequantized copy of W is faster
-  than the matrix-unit tile above (H100: 2,048 rows at q/k/v's shape, 316 us in the tile, 148 us
-  for the bf16 GEMM alone; docs/bench-notes.md run 24). The copy's rounding is at most 2^-9
-  relative per weight, beside e4m3's own 2^-4.
+- `dequantized_matmul`: where many rows multiply a weight whose activations are not quantized
+  (q/k/v at prefill), W widened to the activation dtype (exact: every e4m3 value is a bf16 and
+  an fp16 value) in a transient copy and the library's GEMM, then the channel scale (and bias)
+  on its output: faster than the matrix-unit tile above from a few hundred rows (bench notes,
+  run 24). The output is rounded twice (the GEMM's result, then scaled), where the tile rounds
+  once.
 """
 
 from __future__ import annotations
@@ -216,58 +216,33 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return quantize_fp8(x, scale), scale
 
 
-@triton.jit
-def _dequantize_weight_kernel(  # type: ignore[no-untyped-def]
-    w_ptr,
-    scale_ptr,
-    out_ptr,
-    K,
-    BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):
-    gdc_enter(USE_GDC)
-    row = tl.program_id(0).to(tl.int64)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = ks < K
-    scale = tl.load(scale_ptr + row)
-    w = tl.load(w_ptr + row * K + ks, mask=mask, other=0.0).to(tl.float32)
-    out = (w * scale).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + row * K + ks, out, mask=mask)
-
-
-def dequantize_weight(
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
-    weight_scale: torch.Tensor,  # [N] float32
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [N, K] in dtype
-    """`weight * weight_scale[:, None]`, computed in float32 and rounded once to `dtype`."""
-    n, k = weight.shape
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous()
-    assert weight_scale.dtype == torch.float32 and weight_scale.shape == (n,)
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    if n == 0 or k == 0:
-        return out
-    block = min(2048, triton.next_power_of_2(k))
-    _dequantize_weight_kernel[(n, triton.cdiv(k, block))](
-        weight, weight_scale, out, k, BLOCK_K=block, num_warps=4, **pdl_launch(weight.device)
-    )
-    return out
-
-
-def dequantize_weight_reference(
-    weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """Plain-torch twin of `dequantize_weight`."""
-    return (weight.float() * weight_scale.float()[:, None]).to(dtype)
-
-
 def dequantized_matmul(
     x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N], x's dtype
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ dequantize_weight(...)^T + bias` through the library GEMM: a transient copy of W in
-    x's dtype (twice the FP8 bytes, freed after the product)."""
-    w = dequantize_weight(weight, weight_scale, x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
+    """`(x @ W^T) * weight_scale + bias` through the library GEMM on W widened exactly to x's
+    dtype (a transient copy, twice the FP8 bytes): the GEMM's float32 sums rounded to x's dtype,
+    scaled per channel in float32 and rounded again, then the bias added (rounded again)."""
+    assert weight.dtype == FP8_DTYPE and weight_scale.dtype == torch.float32
+    out = torch.nn.functional.linear(x, weight.to(x.dtype))
+    out.mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def dequantized_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of `dequantized_matmul` with its roundings made explicit (float32
+    products; the CPU arithmetic of `quant/fp8_linear.Fp8Linear`)."""
+    out = (x.float() @ weight.float().t()).to(x.dtype)
+    out = (out.float() * weight_scale.float()).to(x.dtype)
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out

@@ -8,8 +8,9 @@ weight's bytes), `w_scale` float32 [N]. How the product runs depends on the rows
   to `fp8_gemv.MAX_ROWS` rows that is a matrix-vector kernel streaming W at memory bandwidth
   (kernels/fp8_gemv.py), beyond a matrix-unit kernel. The step is bound by reading W, and no
   quantization kernel runs before the product. From `dequantize_min_rows` rows on (q/k/v at
-  prefill), where the product is bound by arithmetic, not by W: W dequantized into a transient
-  copy in the activation dtype (rounded once) and the library's GEMM (`dequantized_matmul`).
+  prefill), where the product is bound by arithmetic, not by W: W widened exactly into a
+  transient copy in the activation dtype, the library's GEMM, then the channel scale on its
+  output (`dequantized_matmul`).
 - CUDA, more rows (except for the projections of `UNQUANTIZED_INPUTS`, q/k/v and an FP8 LM
   head, which keep the weight-only product at every row count), bf16 activations, compute
   capability 9.0+ and K, N multiples of 16 (the library's constraints): the activations are
@@ -33,8 +34,8 @@ from torch import nn
 
 from davit_engine.kernels import capability, fp8_gemv
 from davit_engine.kernels.fp8_linear import (
-    dequantize_weight_reference,
     dequantized_matmul,
+    dequantized_matmul_reference,
     fp8_weight_matmul,
     quantize_rows,
     quantize_rows_reference,
@@ -53,10 +54,11 @@ class Fp8Linear(nn.Module):
     # Rows up to which CUDA runs the weight-only product instead of the FP8 library GEMM
     # (decode at small batch). A class attribute, so a benchmark can move the boundary.
     weight_only_max_rows = 16
-    # Rows from which a weight-only product dequantizes W and calls the library GEMM instead of
-    # the matrix-unit tile (see the module docstring). On an H100 at q/k/v's shape (6,144 x
-    # 4,096; bench notes, run 24): tile 40.5 us at 32 and 64 rows, 52.8 at 256, 313.5 at 2,048;
-    # dequantized 46.3, 46.3, 52.9, 185.5. Also a class attribute.
+    # Rows from which a weight-only product widens W and calls the library GEMM instead of the
+    # matrix-unit tile (see the module docstring). On an H100 at q/k/v's shape (6,144 x 4,096;
+    # bench notes, run 24): tile 40.5 us at 32 and 64 rows, 52.8 at 256, 79.7 at 512, 313.5 at
+    # 2,048; the library GEMM on a bf16 copy of W (then with the scale folded into the copy)
+    # 46.3, 46.3, 52.9, 63.8, 185.5. Also a class attribute.
     dequantize_min_rows = 512
 
     def __init__(
@@ -173,12 +175,7 @@ class Fp8Linear(nn.Module):
         rounded once to the activation dtype, as the kernels' float32 accumulators are."""
         rows = x.shape[0]
         if self.dequantize_min_rows <= rows <= self.weight_only_max_rows:
-            # the library GEMM on W dequantized to x's dtype, bias in its float32 epilogue
-            weight = dequantize_weight_reference(self.weight, self.weight_scale, x.dtype).float()
-            out = x.float() @ weight.t()
-            if self.bias is not None:
-                out = out + self.bias.float()
-            return out.to(x.dtype)
+            return dequantized_matmul_reference(x, self.weight, self.weight_scale, self.bias)
         weight = self.weight.float()
         if rows <= self.weight_only_max_rows:  # the kernels add the bias in float32
             out = (x.float() @ weight.t()) * self.weight_scale
@@ -194,7 +191,7 @@ class Fp8Linear(nn.Module):
 
 # Where the activations are never quantized to FP8: these run the weight-only product at every
 # row count, prefill included (on CUDA from `dequantize_min_rows` rows the library's bf16 GEMM
-# on a dequantized copy of W: the bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
+# on a widened copy of W: the bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
 # costs the most (SmolLM2-135M, FP8 weights: perplexity +2.08% with every input quantized,
 # +1.51% with q/k/v's kept; docs/fp8.md, Quality); q/k/v are about a ninth of a Llama
 # layer's multiply-adds. The LM head (--lm-head-quantization): its rows are the sampled
