@@ -191,11 +191,12 @@ class Fp8Linear(nn.Module):
 
 # Where the activations are never quantized to FP8: these run the weight-only product at every
 # row count, prefill included (on CUDA from `dequantize_min_rows` rows the library's bf16 GEMM
-# on a widened copy of W: the bf16 rate rather than FP8's). q/k/v: their rounding reaches the attention logits, where it
-# costs the most (SmolLM2-135M, FP8 weights: perplexity +2.08% with every input quantized,
-# +1.51% with q/k/v's kept; docs/fp8.md, Quality); q/k/v are about a ninth of a Llama
-# layer's multiply-adds. The LM head (--lm-head-quantization): its rows are the sampled
-# tokens only, and its logits then do not depend on the batch's size.
+# on a widened copy of W: the bf16 rate rather than FP8's). q/k/v: their rounding reaches the
+# attention logits, where it costs the most (SmolLM2-135M, FP8 weights, one CPU: perplexity
+# +2.08% with every input quantized, +1.51% with q/k/v's kept and multiplied in float32, +1.70%
+# with the widened product at prefill's 512-row chunks; docs/fp8.md, Quality); q/k/v are about
+# a ninth of a Llama layer's multiply-adds. The LM head (--lm-head-quantization): its rows are
+# the sampled tokens only, and its logits then do not depend on the batch's size.
 UNQUANTIZED_INPUTS: frozenset[str] = frozenset({"qkv_proj", "lm_head"})
 
 

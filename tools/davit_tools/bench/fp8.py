@@ -188,12 +188,17 @@ def _label(cfg: Any) -> str:
     return f"triton_{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
 
 
+# The `_weight_only` config that runs the engine's many-row weight-only product
+# (`dequantized_matmul`) instead of a Triton tile.
+DEQUANTIZED = "dequantized"
+
+
 def _weight_only(
     x: torch.Tensor, fp8: list[torch.Tensor], scales: list[torch.Tensor], config: Any, i: int
 ) -> torch.Tensor:
     from davit_engine.kernels.fp8_linear import fp8_weight_matmul
 
-    if config == "dequantized":  # W dequantized to x's dtype, then the library GEMM
+    if config == DEQUANTIZED:  # W widened to x's dtype, the library GEMM, then scaled
         from davit_engine.kernels.fp8_linear import dequantized_matmul
 
         return dequantized_matmul(x, fp8[i], scales[i])
@@ -242,11 +247,11 @@ def _gemm_rows(
     # Past 16 rows the engine quantizes the activations and calls torch._scaled_mm (below),
     # except for the projections of quant/fp8_linear.UNQUANTIZED_INPUTS (q/k/v), which keep
     # the weight-only product at every row count: "default" is the matrix-unit tile there,
-    # "dequantized" the library GEMM on W dequantized to bf16 (from
-    # Fp8Linear.dequantize_min_rows rows on, the engine's choice).
+    # "dequantized" the library GEMM on W widened to bf16 (from Fp8Linear.dequantize_min_rows
+    # rows on, the engine's choice).
     candidates: list[tuple[str, Any]] = [("default", None)]
     if rows > 16:
-        candidates += [("dequantized", "dequantized")]
+        candidates += [(DEQUANTIZED, DEQUANTIZED)]
     if rows <= 8:
         candidates += [(_label(cfg), cfg) for cfg in gemv]
     if fp8_gemv.MAX_ROWS < rows <= 16:
