@@ -239,6 +239,32 @@ def test_streaming_falls_back_to_plain_loads(device: torch.device) -> None:
     assert _rel_err(out, fp8_weight_matmul_reference(rows, weight, scale)) < 1e-5
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k", "split_k"), [(38, 256, 1), (40, 1024, 2), (24, 1152, 8)])
+def test_plain_preload_equals_plain(
+    device: torch.device, gated: bool, n: int, k: int, split_k: int
+) -> None:
+    """The plain kernel with its first tile of W loaded before the wait: the same numbers as
+    without, at a partial last tile of rows, with K split, and where a split starts past K's
+    end (1,152 = 18 steps of 64 in 8 splits of 3: the last two read the last tile and add
+    nothing). Several rows and a K tail inside a step ignore the preload."""
+    torch.manual_seed(n + k + split_k + gated)
+    weight, scale = _weights(n, k, device)
+    b = torch.randn(n, device=device)
+    cfg = GemvConfig(8, 64, 4, split_k=split_k, preload=1)
+    plain = dataclasses.replace(cfg, preload=0)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, device=device)
+        out = gemv(x, weight, scale, b, cfg, gated=gated)
+        expected = gemv(x, weight, scale, b, plain, gated=gated)
+        assert torch.equal(out, expected)
+        if not gated:
+            assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale, b)) < 1e-5
+    weight, scale = _weights(n, k - 8, device)  # a K tail: no preload, same result
+    x = torch.randn(1, k - 8, device=device)
+    assert torch.equal(gemv(x, weight, scale, None, cfg), gemv(x, weight, scale, None, plain))
+
+
 def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cpu")
     assert fp8_gemv.default_config(1, 4096, gpu).stages == 0  # off until timed
@@ -247,6 +273,12 @@ def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch)
     one_row = fp8_gemv.default_config(1, 4096, gpu)
     assert (one_row.block_n, one_row.stages, one_row.preload) == (8, 4, 1)
     assert one_row.label == "gemv_8x512w4sautot4p"
+    assert fp8_gemv.default_config(2, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
+    monkeypatch.setattr(fp8_gemv, "STREAM_STAGES", 0)
+    assert fp8_gemv.default_config(1, 4096, gpu).preload == 0
+    monkeypatch.setattr(fp8_gemv, "PLAIN_PRELOAD", 1)
+    one_row = fp8_gemv.default_config(1, 4096, gpu)
+    assert (one_row.stages, one_row.preload, one_row.label) == (0, 1, "gemv_8x512w4sautop")
     assert fp8_gemv.default_config(2, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
 
 
@@ -278,3 +310,30 @@ def test_streamed_gemv_real_shapes_in_a_graph(
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_plain_preload_real_shapes_in_a_graph(
+    device: torch.device, gated: bool, n: int, k: int
+) -> None:
+    """W2's shapes at the engine's one-row tiles with the first tile loaded before the wait,
+    three launches back to back in a captured graph (programmatic dependent launch: each
+    launch's first tiles are loaded while the one before runs): the plain kernel's numbers."""
+    torch.manual_seed(n + k + gated)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    base = fp8_gemv.default_config(1, n, device)
+    cfg = dataclasses.replace(base, preload=1)
+    graph = torch.cuda.CUDAGraph()
+    gemv(x, weight, scale, None, cfg, gated=gated)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        outs = [gemv(x, weight, scale, None, cfg, gated=gated) for _ in range(3)]
+    x.copy_(torch.randn_like(x))
+    expected = gemv(x, weight, scale, None, base, gated=gated)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out, expected)

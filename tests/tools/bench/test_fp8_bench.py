@@ -97,7 +97,6 @@ def test_kernel_figures_count_overlapping_kernels_once() -> None:
         (["--gemv-configs", "8/512/4/0/q"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4/0/1"], "--gemv-configs"),
-        (["--gemv-configs", "8/512/4/0/0/1"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4/0/3/2"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4/0/3/1/1"], "--gemv-configs"),
         (["--gemm-configs", "32/512/x/4"], "--gemm-configs"),
@@ -161,6 +160,12 @@ def test_gemv_configs_parse() -> None:
     assert (streamed.stages, streamed.preload, streamed.label) == (3, 0, "gemv_8x512w4sautot3")
     assert (preloaded.num_warps, preloaded.stages, preloaded.preload) == (2, 4, 1)
     assert preloaded.label == "gemv_8x256w2sautot4p"
+    (plain_preload,) = fp8._parse_gemv_configs("8/512/4/0/0/1")
+    assert (plain_preload.stages, plain_preload.preload) == (0, 1)
+    assert plain_preload.label == "gemv_8x512w4sautop"
+    for bad in ("8/512/4/0/1", "8/512/4/0/0/2", "8/512/4", "8/512/4/0/3/1/1", "8/x/4/0"):
+        with pytest.raises(ValueError, match="--gemv-configs"):
+            fp8._parse_gemv_configs(bad)
 
 
 def test_variant_switches_name_existing_engine_attributes() -> None:

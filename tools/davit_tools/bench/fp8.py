@@ -158,8 +158,9 @@ def _parse_configs(text: str) -> list[Any]:
 
 def _parse_gemv_configs(text: str) -> list[Any]:
     """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]];...` -> GemvConfigs (SPLIT_K 0: the
-    engine's choice; STAGES >= 2: W streamed through that many pipeline stages at one row,
-    PRELOAD 1: its first tile fetched before the wait for the kernel before)."""
+    engine's choice; STAGES >= 2: W streamed through that many pipeline stages at one row;
+    PRELOAD 1: at one row, the first tile of W fetched before the wait for the kernel before,
+    streamed or with the plain loads)."""
     from davit_engine.kernels.fp8_gemv import GemvConfig
 
     configs = []
@@ -170,10 +171,9 @@ def _parse_gemv_configs(text: str) -> list[Any]:
                 f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]]"
             )
         n, k, w, split, stages, preload = (int(v) for v in fields + ["0"] * (6 - len(fields)))
-        if stages == 1 or preload not in (0, 1) or (preload and not stages):
+        if stages == 1 or preload not in (0, 1):
             raise ValueError(
-                f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 "
-                "or 1 and only with STAGES"
+                f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 or 1"
             )
         config = GemvConfig(n, k, w, split_k=split, stages=stages, preload=preload)
         configs.append(config)
@@ -603,6 +603,11 @@ VARIANTS = {
             for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
         )
     },
+    # the plain one-row products with their first tile of W loaded before the wait for the
+    # kernel before (fp8_gemv.PLAIN_PRELOAD)
+    "fp8-both-preload": Variant(
+        "fp8-both-preload", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_PRELOAD", 1),)
+    ),
 }
 
 
@@ -908,6 +913,15 @@ def section_w1_profile(args: argparse.Namespace) -> None:
         record("w1-profile", variant=name, **res, **versions())
 
 
+def section_w2_profile(args: argparse.Namespace) -> None:
+    """One W2 run per `--w2-variants` entry under the torch profiler: where a decode step's
+    time goes, kernel by kernel (graph replays included)."""
+    for name in args.w2_variants.split(","):
+        res = _run_workload(W2(), variant_named(name), args.copy_bw, profile=True)
+        res.pop("outputs")
+        record("w2-profile", variant=name, **res, **versions())
+
+
 def section_memory(args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "davit_tools.bench.memory_check", "--shapes", args.memory_shapes,
            "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", str(args.memory_batched_tokens),
@@ -958,6 +972,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1-prefill": section_w1_prefill,
     "w1-profile": section_w1_profile,
     "w1-trajectory": section_w1_trajectory,
+    "w2-profile": section_w2_profile,
     "memory": section_memory,
     "quality": section_quality,
 }
@@ -975,6 +990,7 @@ _BRIEF = {
     "w1-prefill": ("variant", "round", "prefill_tok_s", "elapsed_s"),
     "w1-prefill-rounds": ("variant", "runs", "median", "min", "max", "median_over_first"),
     "w1-profile": ("variant", "output_tok_s", "elapsed_s", "kernels"),
+    "w2-profile": ("variant", "elapsed_s", "kernels"),
     "w1-trajectory": ("step", "requests", "mean_context", "max_context", "bf16_us", "fp8_us",
                       "fp8_2w_us", "bf16_bal_us", "fp8_bal_us", "fp8_bal2_us", "fp8_bal4_us",
                       "bf16_mean_us", "fp8_mean_us",
