@@ -32,6 +32,11 @@ from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 # Module constants so that a benchmark can run the engine each way.
 ROTARY_FP8_NUM_WARPS = 8
 ROTARY_HADAMARD_FROM_MEMORY = True
+# Whether the rotary kernel reads its cos/sin rows, cache slots and Hadamard tile before its
+# wait for the kernel before (programmatic dependent launch; kernels/pdl.py): one program per
+# token, so at decode's few tokens its loads are a chain. Not timed yet: off, a switch so that
+# a benchmark can run the engine each way.
+ROTARY_LOADS_BEFORE_WAIT = False
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 
@@ -285,9 +290,14 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     ROTATE_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     H_FROM_MEMORY: tl.constexpr,
+    EARLY: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
+    # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
+    # the wait for the kernel before (none of them is its output; pdl.py), so only q, k and v
+    # are loaded after it.
+    if not EARLY:
+        gdc_enter(USE_GDC)
     token = tl.program_id(0)
     dims = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
@@ -296,13 +306,18 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
     s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
+    if EARLY:
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+        h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
+        gdc_enter(USE_GDC)
     q1, q2 = _norm_rope_heads(
         q_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
-    # one Hadamard tile for the queries' and the keys' products
-    h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
+    if not EARLY:  # one Hadamard tile for the queries' and the keys' products
+        h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
         q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
         q = tl.dot(q, h, input_precision=DOT_PRECISION)
@@ -317,7 +332,8 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     if WRITE_KV:
         # Straight into the paged cache at the token's slot (negative: padding, skipped).
-        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if not EARLY:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             heads = tl.arange(0, BLOCK_HK)[:, None]
             full = tl.arange(0, 2 * HALF)[None, :]
@@ -429,6 +445,7 @@ def qk_norm_rope(
         ROTATE_Q=rotate_queries,
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         H_FROM_MEMORY=h_matrix is not None,
+        EARLY=ROTARY_LOADS_BEFORE_WAIT,
         num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),

@@ -39,9 +39,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _fp8_value_runs(  # type: ignore[no-untyped-def]
+    table_row, tile, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """The block-table entries of an FP8 value tile's runs of keys (`_fp8_values_tile`), -1
+    past `kv_end`."""
+    RUN: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    RUNS: tl.constexpr = BLOCK_N // RUN
+    run_start = tile * BLOCK_N + tl.arange(0, RUNS) * RUN
+    return tl.load(table_row + run_start // PAGE, mask=run_start < kv_end, other=-1)
+
+
+@triton.jit
 def _fp8_values_tile(  # type: ignore[no-untyped-def]
     v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    runs_block, RUNS_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """An FP8 cache's values for keys `tile * BLOCK_N + [0, BLOCK_N)`, as [BLOCK_N, BLOCK_D].
 
@@ -54,7 +67,10 @@ def _fp8_values_tile(  # type: ignore[no-untyped-def]
     RUNS: tl.constexpr = BLOCK_N // RUN
     run_start = tile * BLOCK_N + tl.arange(0, RUNS) * RUN  # first key of each run
     run_valid = run_start < kv_end
-    block = tl.load(table_row + run_start // PAGE, mask=run_valid, other=-1)
+    if RUNS_GIVEN:  # loaded ahead by the caller (`_fp8_value_runs`)
+        block = runs_block
+    else:
+        block = tl.load(table_row + run_start // PAGE, mask=run_valid, other=-1)
     run_valid = run_valid & (block >= 0)
     base = block.to(tl.int64) * stride_cache_block + kv_head * (HEAD_DIM * PAGE) + run_start % PAGE
     in_run = tl.arange(0, RUN)
@@ -72,14 +88,15 @@ def _fp8_values_tile(  # type: ignore[no-untyped-def]
 def _values_tile(  # type: ignore[no-untyped-def]
     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims, dim_valid,
     stride_cache_block, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, FP8: tl.constexpr, runs_block, RUNS_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """The values of keys `tile * BLOCK_N + [0, BLOCK_N)` as [BLOCK_N, BLOCK_D]: an FP8 cache's
-    key-minor runs, or a model-dtype cache's rows at `kv_offs`."""
+    key-minor runs (their block-table entries `runs_block` where RUNS_GIVEN), or a model-dtype
+    cache's rows at `kv_offs`."""
     if FP8:
         return _fp8_values_tile(
             v_cache_ptr, table_row, tile, kv_end, kv_head, dims, dim_valid, stride_cache_block,
-            BLOCK_N, BLOCK_D, PAGE, HEAD_DIM,
+            BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, runs_block, RUNS_GIVEN,
         )  # fmt: skip
     else:
         return tl.load(
@@ -130,9 +147,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     Q_ROTATED: tl.constexpr,
     F16_DOT: tl.constexpr,
+    EARLY: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
+    # EARLY: the step's metadata (query offsets, lengths, block tables) and the scales are read
+    # before the wait for the kernel before (none of them is its output; pdl.py), and each key
+    # tile's block-table entries one tile ahead, so that a short split's chain of dependent
+    # loads after the wait is the queries and the key and value tiles alone.
+    if not EARLY:
+        gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     req = pid // num_q_tiles
     q_tile = pid % num_q_tiles
@@ -141,8 +164,34 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
 
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
-    if q_tile * BLOCK_Q < q_len:
+    if EARLY:
         seq_len = tl.load(seq_lens_ptr + req)
+        if FP8:
+            k_scale = tl.load(kv_scale_ptr + kv_head)
+            v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
+        last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+        kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok)
+        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        if BALANCED:
+            tiles_per_split = _balanced_split_tiles(
+                seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS, BLOCK_N,
+                MIN_SPLIT_TILES,
+            )  # fmt: skip
+        else:
+            tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+        next_keys = tile_begin * BLOCK_N + tl.arange(0, BLOCK_N)
+        next_block = tl.load(table_row + next_keys // PAGE, mask=next_keys < kv_end, other=-1)
+        if FP8:
+            next_runs = _fp8_value_runs(table_row, tile_begin, kv_end, BLOCK_N, PAGE)
+        else:
+            next_runs = next_block
+        gdc_enter(USE_GDC)
+    if q_tile * BLOCK_Q < q_len:
+        if not EARLY:
+            seq_len = tl.load(seq_lens_ptr + req)
         ctx_len = seq_len - q_len  # keys cached before this step
 
         rows = tl.arange(0, BLOCK_M)
@@ -162,7 +211,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         )
         q_pos = ctx_len + tok
         if FP8:  # the per-head key scale folds into the score scale
-            scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+            if not EARLY:
+                k_scale = tl.load(kv_scale_ptr + kv_head)
+            scale_log2 = scale_log2 * k_scale
         if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
             if not Q_ROTATED:  # (rotated already by the caller: no tile for H here)
                 q = tl.dot(q, hadamard_tile(BLOCK_D, q.dtype), input_precision=DOT_PRECISION)
@@ -170,30 +221,43 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
         if F16_DOT:
             q = to_f16_saturated(q)
-        if FP8:
+        if FP8 and not EARLY:
             v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
 
-        last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-        kv_end = tl.minimum(seq_len, ctx_len + last_tok)
-        num_tiles = tl.cdiv(kv_end, BLOCK_N)
-        if BALANCED:  # the same run of tiles for every request's splits
-            tiles_per_split = _balanced_split_tiles(
-                seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS, BLOCK_N,
-                MIN_SPLIT_TILES,
-            )  # fmt: skip
-        else:  # each request's tiles in NUM_SPLITS runs
-            tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_begin = split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        if not EARLY:
+            last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+            kv_end = tl.minimum(seq_len, ctx_len + last_tok)
+            num_tiles = tl.cdiv(kv_end, BLOCK_N)
+            if BALANCED:  # the same run of tiles for every request's splits
+                tiles_per_split = _balanced_split_tiles(
+                    seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS,
+                    BLOCK_N, MIN_SPLIT_TILES,
+                )  # fmt: skip
+            else:  # each request's tiles in NUM_SPLITS runs
+                tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+            tile_begin = split * tiles_per_split
+            tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+            table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
         for tile in range(tile_begin, tile_end):
             keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_valid = keys < kv_end
-            block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
+            if EARLY:  # this tile's entries were loaded a tile ahead; load the next tile's
+                block = next_block
+                runs_block = next_runs
+                ahead = keys + BLOCK_N
+                ahead_end = tl.where(tile + 1 < tile_end, kv_end, 0)  # none past the split
+                next_block = tl.load(table_row + ahead // PAGE, mask=ahead < ahead_end, other=-1)
+                if FP8:
+                    next_runs = _fp8_value_runs(table_row, tile + 1, ahead_end, BLOCK_N, PAGE)
+                else:
+                    next_runs = next_block
+            else:
+                block = tl.load(table_row + keys // PAGE, mask=key_valid, other=-1)
+                runs_block = block
             key_valid = key_valid & (block >= 0)
             kv_offs = (
                 block.to(tl.int64) * stride_cache_block
@@ -210,6 +274,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                 v = _values_tile(
                     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
                     dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
+                    runs_block, EARLY,
                 )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
                 k = k.to(q.dtype)
@@ -225,6 +290,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                 v = _values_tile(
                     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
                     dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
+                    runs_block, EARLY,
                 )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16
                 v = v.to(q.dtype)
@@ -353,6 +419,14 @@ SPLIT_WAVES = {"model": 2.0, "fp8": 2.0}
 # 119.2 unsplit with an FP8 cache, 166.5 against 177.4 with bf16 (run 23's sweep); not yet
 # timed over a workload, so off: a switch so that a benchmark can run the engine each way.
 SPLIT_PAST_FULL_WAVE = False
+# Whether the attention kernel reads the step's metadata, block tables and scales before its
+# wait for the kernel before (programmatic dependent launch: they are inputs written before the
+# step's layers, never by that kernel; see kernels/pdl.py) and each key tile's block-table
+# entries a tile ahead. At decode with many splits a program's work is a chain of dependent
+# loads (offsets, lengths, block table, then keys and values, twice at W2's two tiles per
+# split); this leaves the keys and values after the wait. Not timed yet: off, a switch so that
+# a benchmark can run the engine each way.
+LOADS_BEFORE_WAIT = False
 # Whether split decodes of several requests balance their keys (`paged_attention`'s
 # `split_programs`): every split owns the same run of key tiles, the step's tiles over
 # `BALANCED_WAVES` waves of programs, so a long request takes more splits than a short one and
@@ -560,6 +634,7 @@ def paged_attention(
         ROTATE=rotate,
         Q_ROTATED=queries_rotated,
         F16_DOT=fp8 and q.dtype != torch.float32,
+        EARLY=LOADS_BEFORE_WAIT,
         num_warps=num_warps,
         num_stages=num_stages,
         **limits,

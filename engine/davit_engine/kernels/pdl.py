@@ -7,6 +7,17 @@ kernel before it finishes; each kernel here waits (`griddepcontrol.wait`) at its
 instruction until the previous kernel completed and its writes are visible, so no value can
 change, and then allows the kernel after it to start launching (`griddepcontrol.launch_dependents`).
 
+What a kernel may read before its wait: whatever the kernel just before it cannot have
+written. A kernel here lets the next one launch only after it passed its own wait, so when a
+kernel's programs start, every kernel before the one just before it has completed and its
+writes are visible (a kernel launched without PDL, a library kernel, lets the next one launch
+only when it completes). So constants (weights, tables) and the step's inputs written before
+the layers run (block tables, lengths, slots, cos/sin rows) can be read early, and the
+previous kernel's outputs only after the wait. Every program waits, even one with no work:
+one that exited without waiting could let the kernel after it start before the kernel before
+it completed. The one-row FP8 products (`fp8_gemv`), the attention and the rotary kernel have
+such early loads, each behind a switch.
+
 `pdl_launch(device)` gives the launch options and the `USE_GDC` constexpr for a kernel on
 `device`: on where the GPU supports it, off on the CPU, under Triton's interpreter, on older GPUs
 and with `DAVIT_PDL=0`.

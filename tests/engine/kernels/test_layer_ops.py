@@ -290,6 +290,71 @@ def test_rotary_launch_switches_real_shapes(
     _rotary_switch_case(device, monkeypatch, torch.bfloat16, from_memory, warps, (256, 16, 8, 128))
 
 
+def _early_loads_case(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None,
+    shape: tuple[int, int, int, int],
+) -> None:
+    """The rotary kernel with its cos/sin rows, slots and Hadamard tile read before the wait
+    (`ROTARY_LOADS_BEFORE_WAIT`) against without: the same queries, keys and cache bytes
+    (`cache_dtype` None: keys returned, no cache)."""
+    torch.manual_seed(13)
+    tokens, heads, kv_heads, dim = shape
+    page = 16
+    blocks = -(-tokens // page) + 2
+    positions = torch.randint(0, 12, (tokens,)).tolist()
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
+    slots = torch.randperm(blocks * page, device=device)[:tokens]
+    slots[tokens // 2] = -1  # a padding row
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
+
+    def run() -> tuple[torch.Tensor, ...]:
+        if cache_dtype is None:
+            q_out, k_out = qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6)
+            assert k_out is not None
+            return q_out, k_out
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
+        q_out, _ = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=fp8,
+        )  # fmt: skip
+        return q_out, cache.view(torch.uint8) if fp8 else cache
+
+    before = run()
+    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", True)
+    after = run()
+    assert bool((before[1] != 0).any())
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [None, "model", torch.float8_e4m3fn], ids=str)
+def test_rotary_loads_before_the_wait_change_nothing(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | str | None,
+) -> None:
+    cache = dtype if cache_dtype == "model" else cache_dtype
+    assert cache is None or isinstance(cache, torch.dtype)
+    _early_loads_case(device, monkeypatch, dtype, cache, (5, 4, 2, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_rotary_loads_before_the_wait_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int, cache_dtype: torch.dtype
+) -> None:
+    """The same at W2's one token and W1's 256, Qwen3-0.6B heads, bf16."""
+    _early_loads_case(device, monkeypatch, torch.bfloat16, cache_dtype, (tokens, 16, 8, 128))
+
+
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
     device: torch.device,
 ) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -412,3 +414,136 @@ def test_balanced_splits_real_shapes(device: torch.device, fp8: bool, num_splits
     )  # fmt: skip
     ref = paged_attention_reference(q, cache, tables, lens, qsl, 128**-0.5, kv_scale)
     assert _rel_err(out, ref) < 1e-2
+
+
+def _early_loads_agree(
+    monkeypatch: pytest.MonkeyPatch, run: Callable[[], torch.Tensor], exact: bool = True
+) -> None:
+    """`run()` with the attention kernel's loads before the wait (`LOADS_BEFORE_WAIT`) gives
+    what it gives without."""
+    from davit_engine.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", False)
+    before = run()
+    monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", True)
+    after = run()
+    assert not before.isnan().any()
+    if exact:
+        assert torch.equal(before, after)
+    else:
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [*CASES, ([1, 1, 9], [300, 129, 200])])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_loads_before_the_wait_change_nothing(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    q_lens: list[int],
+    seq_lens: list[int],
+    fp8: bool,
+    num_splits: int,
+) -> None:
+    """Decode, prefill and mixed batches, unsplit, split (64: most splits own no key tile),
+    model-dtype and FP8 caches: the same result bit for bit. Each tile's block-table entries
+    are then loaded a tile ahead, so a program's range must hold several key tiles (300 keys
+    in pages of 4: five decode tiles unsplit, two a split in three)."""
+    torch.manual_seed(sum(seq_lens) + num_splits + fp8)
+    if fp8:
+        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+            device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32
+        )
+    else:
+        q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
+        kv_scale = None
+    _early_loads_agree(monkeypatch, lambda: paged_attention(
+        q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, kv_scale=kv_scale
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_loads_before_the_wait_with_balanced_splits(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, fp8: bool
+) -> None:
+    torch.manual_seed(32)
+    q_lens, seq_lens = [1, 1, 1, 1, 1], [5, 260, 33, 1, 120]
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32
+    )
+    if not fp8:
+        cache, kv_scale = cache.float(), None
+    _early_loads_agree(monkeypatch, lambda: paged_attention(
+        q, cache, tables, lens, qsl, 1, 0.25, 6, kv_scale=kv_scale, split_programs=10
+    ))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("requests", "num_splits"), [(1, 16), (64, 2), (64, 1)])
+def test_loads_before_the_wait_real_shapes_in_a_graph(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, fp8: bool, requests: int,
+    num_splits: int,
+) -> None:  # fmt: skip
+    """A decode step's rotary kernel (the new token's keys and values into the cache, the
+    queries rotated for an FP8 cache) then attention, as the V2 runner launches them: W2's one
+    request of 1,152 keys in 16 splits, and 64 requests of up to 2,000 keys; bf16 or FP8.
+    Captured in a graph with both kernels' loads before the wait (programmatic dependent
+    launch: attention's early loads overlap the rotary kernel that writes its queries and
+    keys), three steps in a row: each the eager launch's result without early loads, bit for
+    bit."""
+    from davit_engine.kernels import layer_ops
+    from davit_engine.kernels import paged_attention as pa
+
+    torch.manual_seed(50 + requests + num_splits)
+    seq_lens = [1152] if requests == 1 else torch.randint(2, 2000, (requests,)).tolist()
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    if fp8:
+        _, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+            device, [1] * requests, seq_lens, (heads, kv_heads), dim, page, torch.bfloat16
+        )
+    else:
+        _, cache, tables, lens, qsl = _batch(
+            device, [1] * requests, seq_lens, (heads, kv_heads), dim, page, torch.bfloat16
+        )
+        kv_scale = None
+    last = lens.long() - 1  # the new token's position
+    slots = tables.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page
+    angles = torch.rand(requests, dim // 2, device=device) * 6.0
+    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)
+    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)
+    steps = [torch.randn(requests, heads + 2 * kv_heads, dim, device=device).to(torch.bfloat16)
+             for _ in range(3)]  # fmt: skip
+    qkv = torch.empty_like(steps[0])
+    start = cache.clone()
+
+    def step() -> torch.Tensor:
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+        q_rot, _ = layer_ops.qk_norm_rope(
+            q, k, cos, sin, v=v, kv_cache=cache, slot_mapping=slots, kv_scale=kv_scale,
+            rotate_queries=fp8,
+        )  # fmt: skip
+        return paged_attention(
+            q_rot, cache, tables, lens, qsl, 1, dim**-0.5, num_splits, kv_scale=kv_scale,
+            queries_rotated=fp8,
+        )  # fmt: skip
+
+    expected = []
+    for values in steps:  # eager, no early loads
+        qkv.copy_(values)
+        expected.append(step().clone())
+    monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", True)
+    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", True)
+    cache.copy_(start)
+    qkv.copy_(steps[0])
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    cache.copy_(start)
+    for values, want in zip(steps, expected, strict=True):
+        qkv.copy_(values)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -603,6 +603,25 @@ VARIANTS = {
             for stages, preload in ((3, 0), (4, 0), (3, 1), (4, 1))
         )
     },
+    # the attention and rotary kernels' loads of step metadata, block tables, slots, cos/sin
+    # and the Hadamard tile before the wait for the kernel before
+    # (paged_attention.LOADS_BEFORE_WAIT, layer_ops.ROTARY_LOADS_BEFORE_WAIT)
+    **{
+        f"{base}-early": Variant(
+            f"{base}-early",
+            quantization,
+            kv,
+            (
+                ("davit_engine.kernels.paged_attention", "LOADS_BEFORE_WAIT", True),
+                ("davit_engine.kernels.layer_ops", "ROTARY_LOADS_BEFORE_WAIT", True),
+            ),
+        )
+        for base, quantization, kv in (
+            ("bf16", None, "auto"),
+            ("fp8-kv", None, "fp8"),
+            ("fp8-both", "fp8", "fp8"),
+        )
+    },  # fmt: skip
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
