@@ -101,8 +101,11 @@ STREAM_PRELOAD = 0
 # Without streaming, the one-row default's first tile of W loaded into registers before the
 # wait for the kernel before (`GemvConfig.preload`; 32 bytes per thread held across the wait):
 # under programmatic dependent launch a product's programs become resident while the kernel
-# before runs, so that load overlaps its tail instead of starting after it. Not timed yet:
-# off, a switch for the bench's variants.
+# before runs, so that load overlaps its tail instead of starting after it. Off: on an H100
+# (bench notes, run 25) W2 with FP8 weights and KV ran 4.1% slower with it (261.9 decode
+# tok/s against 273.0, medians of two; 266.4 against 279.1 with the early loads of attention
+# and rotary), though the one-row qkv product alone was 1.6% faster (11.12 us against 11.30).
+# A switch for the bench's variants.
 PLAIN_PRELOAD = 0
 
 

@@ -34,9 +34,10 @@ ROTARY_FP8_NUM_WARPS = 8
 ROTARY_HADAMARD_FROM_MEMORY = True
 # Whether the rotary kernel reads its cos/sin rows, cache slots and Hadamard tile before its
 # wait for the kernel before (programmatic dependent launch; kernels/pdl.py): one program per
-# token, so at decode's few tokens its loads are a chain. Not timed yet: off, a switch so that
-# a benchmark can run the engine each way.
-ROTARY_LOADS_BEFORE_WAIT = False
+# token, so at decode's few tokens its loads are a chain. Timed with the attention kernel's
+# `LOADS_BEFORE_WAIT` (its comment has the figures). A switch so that a benchmark can run the
+# engine each way.
+ROTARY_LOADS_BEFORE_WAIT = True
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 

@@ -424,9 +424,12 @@ SPLIT_PAST_FULL_WAVE = False
 # step's layers, never by that kernel; see kernels/pdl.py) and each key tile's block-table
 # entries a tile ahead. At decode with many splits a program's work is a chain of dependent
 # loads (offsets, lengths, block table, then keys and values, twice at W2's two tiles per
-# split); this leaves the keys and values after the wait. Not timed yet: off, a switch so that
-# a benchmark can run the engine each way.
-LOADS_BEFORE_WAIT = False
+# split); this leaves the keys and values after the wait. On an H100 (bench notes, run 25),
+# with the rotary kernel's switch: W2 with FP8 weights and KV 279.1 decode tok/s against
+# 273.0, W1 with an FP8 cache 27,422.7 output tok/s against 26,955.0, bf16 W1 +0.7% and W2
+# +0.7% (medians of two; the same tokens); its attention kernel took 10.0 us a launch in W2's
+# profile against 12.9. A switch so that a benchmark can run the engine each way.
+LOADS_BEFORE_WAIT = True
 # Whether split decodes of several requests balance their keys (`paged_attention`'s
 # `split_programs`): every split owns the same run of key tiles, the step's tiles over
 # `BALANCED_WAVES` waves of programs, so a long request takes more splits than a short one and

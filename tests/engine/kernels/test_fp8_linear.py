@@ -13,6 +13,7 @@ from davit_engine.kernels.fp8_linear import (
     fp8_weight_matmul_reference,
     quantize_rows,
     quantize_rows_reference,
+    widen_fp8,
 )
 from tests.engine.kernels.fp8_cases import fp8_weights as _weights
 from tests.engine.kernels.fp8_cases import rel_err as _rel_err
@@ -98,6 +99,21 @@ def test_dequantized_matmul_matches_its_reference(
     assert _rel_err(ref.double(), exact) < close
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_widen_fp8_gives_every_value_exactly(device: torch.device, dtype: torch.dtype) -> None:
+    """All 254 finite e4m3 codes (quantized weights hold no NaN: they are clamped to 448), in
+    a tensor whose size is no multiple of the kernel's block: `weight.to(dtype)`'s values and
+    signs (-0 included), bit for bit."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = codes.repeat(40)[:9001]
+    weight = codes.view(torch.float8_e4m3fn).reshape(9001, 1).to(device)
+    out = widen_fp8(weight, dtype).cpu()
+    expected = weight.cpu().to(dtype)
+    assert out.dtype == dtype and out.shape == weight.shape
+    assert bool(expected.isfinite().all()) and torch.equal(out, expected)
+    assert torch.equal(out.signbit(), expected.signbit())
+
+
 def test_dequantized_matmul_refuses_a_weight_not_in_fp8(device: torch.device) -> None:
     weight, scale = _weights(4, 8, device)
     with pytest.raises(AssertionError):
@@ -114,3 +130,4 @@ def test_dequantized_matmul_bf16_real_shape(device: torch.device, rows: int) -> 
     out = dequantized_matmul(x, weight, scale)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale)) < 1e-2
+    assert torch.equal(widen_fp8(weight, torch.bfloat16), weight.to(torch.bfloat16))

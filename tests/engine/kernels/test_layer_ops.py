@@ -298,8 +298,8 @@ def _early_loads_case(
     shape: tuple[int, int, int, int],
 ) -> None:
     """The rotary kernel with its cos/sin rows, slots and Hadamard tile read before the wait
-    (`ROTARY_LOADS_BEFORE_WAIT`) against without: the same queries, keys and cache bytes
-    (`cache_dtype` None: keys returned, no cache)."""
+    (`ROTARY_LOADS_BEFORE_WAIT`, the default) against after it: the same queries, keys and
+    cache bytes (`cache_dtype` None: keys returned, no cache)."""
     torch.manual_seed(13)
     tokens, heads, kv_heads, dim = shape
     page = 16
@@ -308,7 +308,8 @@ def _early_loads_case(
     cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
     weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
     slots = torch.randperm(blocks * page, device=device)[:tokens]
-    slots[tokens // 2] = -1  # a padding row
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padding row
     fp8 = cache_dtype == torch.float8_e4m3fn
     kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
 
@@ -324,6 +325,7 @@ def _early_loads_case(
         )  # fmt: skip
         return q_out, cache.view(torch.uint8) if fp8 else cache
 
+    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", False)
     before = run()
     monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", True)
     after = run()

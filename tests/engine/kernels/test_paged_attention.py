@@ -419,8 +419,8 @@ def test_balanced_splits_real_shapes(device: torch.device, fp8: bool, num_splits
 def _early_loads_agree(
     monkeypatch: pytest.MonkeyPatch, run: Callable[[], torch.Tensor], exact: bool = True
 ) -> None:
-    """`run()` with the attention kernel's loads before the wait (`LOADS_BEFORE_WAIT`) gives
-    what it gives without."""
+    """`run()` with the attention kernel's loads before the wait (`LOADS_BEFORE_WAIT`, the
+    default) gives what it gives with them after it."""
     from davit_engine.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", False)
@@ -528,6 +528,8 @@ def test_loads_before_the_wait_real_shapes_in_a_graph(
             queries_rotated=fp8,
         )  # fmt: skip
 
+    monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", False)
+    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", False)
     expected = []
     for values in steps:  # eager, no early loads
         qkv.copy_(values)

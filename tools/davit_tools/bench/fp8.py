@@ -604,16 +604,16 @@ VARIANTS = {
         )
     },
     # the attention and rotary kernels' loads of step metadata, block tables, slots, cos/sin
-    # and the Hadamard tile before the wait for the kernel before
-    # (paged_attention.LOADS_BEFORE_WAIT, layer_ops.ROTARY_LOADS_BEFORE_WAIT)
+    # and the Hadamard tile after the wait for the kernel before, as before run 25
+    # (paged_attention.LOADS_BEFORE_WAIT, layer_ops.ROTARY_LOADS_BEFORE_WAIT: on by default)
     **{
-        f"{base}-early": Variant(
-            f"{base}-early",
+        f"{base}-late": Variant(
+            f"{base}-late",
             quantization,
             kv,
             (
-                ("davit_engine.kernels.paged_attention", "LOADS_BEFORE_WAIT", True),
-                ("davit_engine.kernels.layer_ops", "ROTARY_LOADS_BEFORE_WAIT", True),
+                ("davit_engine.kernels.paged_attention", "LOADS_BEFORE_WAIT", False),
+                ("davit_engine.kernels.layer_ops", "ROTARY_LOADS_BEFORE_WAIT", False),
             ),
         )
         for base, quantization, kv in (
@@ -621,7 +621,7 @@ VARIANTS = {
             ("fp8-kv", None, "fp8"),
             ("fp8-both", "fp8", "fp8"),
         )
-    },  # fmt: skip
+    },
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
