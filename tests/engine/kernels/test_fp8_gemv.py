@@ -282,6 +282,28 @@ def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch)
     assert fp8_gemv.default_config(2, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
 
 
+def _replayed_in_a_graph(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    cfg: GemvConfig,
+    base: GemvConfig,
+    gated: bool,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three launches of `cfg` back to back, captured in a graph and replayed after x is
+    redrawn, and `base`'s eager launch on the new x."""
+    graph = torch.cuda.CUDAGraph()
+    gemv(x, weight, scale, None, cfg, gated=gated)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        outs = [gemv(x, weight, scale, None, cfg, gated=gated) for _ in range(3)]
+    x.copy_(torch.randn_like(x))
+    expected = gemv(x, weight, scale, None, base, gated=gated)
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs, expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("stages", [3, 4])
@@ -298,15 +320,7 @@ def test_streamed_gemv_real_shapes_in_a_graph(
     base = fp8_gemv.default_config(1, n, device)
     cfg = dataclasses.replace(base, stages=stages, preload=1)
     assert fp8_gemv.can_stream(x, weight, cfg)
-    graph = torch.cuda.CUDAGraph()
-    gemv(x, weight, scale, None, cfg, gated=gated)  # compile outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        outs = [gemv(x, weight, scale, None, cfg, gated=gated) for _ in range(3)]
-    x.copy_(torch.randn_like(x))
-    expected = gemv(x, weight, scale, None, base, gated=gated)
-    graph.replay()
-    torch.cuda.synchronize()
+    outs, expected = _replayed_in_a_graph(x, weight, scale, cfg, base, gated)
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)
         assert torch.isfinite(out).all()
@@ -325,15 +339,8 @@ def test_plain_preload_real_shapes_in_a_graph(
     weight, scale = _weights(n, k, device)
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     base = fp8_gemv.default_config(1, n, device)
-    cfg = dataclasses.replace(base, preload=1)
-    graph = torch.cuda.CUDAGraph()
-    gemv(x, weight, scale, None, cfg, gated=gated)  # compile outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        outs = [gemv(x, weight, scale, None, cfg, gated=gated) for _ in range(3)]
-    x.copy_(torch.randn_like(x))
-    expected = gemv(x, weight, scale, None, base, gated=gated)
-    graph.replay()
-    torch.cuda.synchronize()
+    outs, expected = _replayed_in_a_graph(
+        x, weight, scale, dataclasses.replace(base, preload=1), base, gated
+    )
     for out in outs:
         assert torch.equal(out, expected)

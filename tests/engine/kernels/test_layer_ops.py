@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -193,6 +195,24 @@ def test_qk_norm_rope_rotates_queries(
     assert not torch.allclose(q_rot.float(), q_plain.float(), rtol=0.1, atol=0.1)
 
 
+def _cache_write_case(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]
+) -> tuple[Any, ...]:
+    """A rotary step that writes the cache (`shape`: tokens, query heads, KV heads, head dim):
+    cos, sin, q, k, v, the q/k norm weights, each token's slot (one padding row, -1, where
+    there are several tokens), the cache's blocks and page size."""
+    tokens, heads, kv_heads, dim = shape
+    page = 16
+    blocks = -(-tokens // page) + 2
+    positions = torch.randint(0, 12, (tokens,)).tolist()
+    cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
+    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
+    slots = torch.randperm(blocks * page, device=device)[:tokens]
+    if tokens > 1:
+        slots[tokens // 3] = -1  # a padding row
+    return cos, sin, q, k, v, weights, slots, blocks, page
+
+
 def _rotary_switch_case(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
@@ -207,14 +227,8 @@ def _rotary_switch_case(
     units' summation order, so a value may differ in its last place: a rotated query by one
     unit of the last place (bf16), a cache byte by one e4m3 step, in few places."""
     torch.manual_seed(12)
-    tokens, heads, kv_heads, dim = shape
-    page = 16
-    blocks = -(-tokens // page) + 2
-    positions = torch.randint(0, 12, (tokens,)).tolist()
-    cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
-    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
-    slots = torch.randperm(blocks * page, device=device)[:tokens]
-    slots[tokens // 3] = -1  # a padding row
+    _, _, kv_heads, dim = shape
+    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
     kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous()
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,15 +315,8 @@ def _early_loads_case(
     (`ROTARY_LOADS_BEFORE_WAIT`, the default) against after it: the same queries, keys and
     cache bytes (`cache_dtype` None: keys returned, no cache)."""
     torch.manual_seed(13)
-    tokens, heads, kv_heads, dim = shape
-    page = 16
-    blocks = -(-tokens // page) + 2
-    positions = torch.randint(0, 12, (tokens,)).tolist()
-    cos, sin, q, k, v = _rope_case(device, dtype, dim, positions, heads, kv_heads, 3.0)
-    weights = (1 + 0.1 * torch.randn(2, dim, device=device)).to(dtype)
-    slots = torch.randperm(blocks * page, device=device)[:tokens]
-    if tokens > 1:
-        slots[tokens // 2] = -1  # a padding row
+    _, _, kv_heads, dim = shape
+    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
     fp8 = cache_dtype == torch.float8_e4m3fn
     kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
 
