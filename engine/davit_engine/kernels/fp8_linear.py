@@ -15,8 +15,9 @@ Kernels, each beside its plain-torch reference:
 - `dequantized_matmul`: where many rows multiply a weight whose activations are not quantized
   (q/k/v at prefill), W widened to the activation dtype (exact: every e4m3 value is a bf16 and
   an fp16 value) in a transient copy and the library's GEMM, then the channel scale (and bias)
-  on its output: faster than the matrix-unit tile above from a few hundred rows (bench notes,
-  run 24). The output is rounded twice (the GEMM's result, then scaled), where the tile rounds
+  on its output: with the copy made by a Triton kernel, faster than the matrix-unit tile above
+  from a few hundred rows (bench notes, run 24; made by torch's FP8 conversion it was slower,
+  run 25). The output is rounded twice (the GEMM's result, then scaled), where the tile rounds
   once.
 """
 

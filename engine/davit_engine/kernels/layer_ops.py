@@ -307,18 +307,17 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
     s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
+    if WRITE_KV:  # the token's cache slot (negative: padding, skipped)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+    # one Hadamard tile for the queries' and the keys' products
+    h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if EARLY:
-        if WRITE_KV:
-            slot = tl.load(slot_ptr + token).to(tl.int64)
-        h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
         gdc_enter(USE_GDC)
     q1, q2 = _norm_rope_heads(
         q_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
-    if not EARLY:  # one Hadamard tile for the queries' and the keys' products
-        h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
         q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
         q = tl.dot(q, h, input_precision=DOT_PRECISION)
@@ -332,9 +331,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
     )  # fmt: skip
     if WRITE_KV:
-        # Straight into the paged cache at the token's slot (negative: padding, skipped).
-        if not EARLY:
-            slot = tl.load(slot_ptr + token).to(tl.int64)
+        # Straight into the paged cache at the token's slot.
         if slot >= 0:
             heads = tl.arange(0, BLOCK_HK)[:, None]
             full = tl.arange(0, 2 * HALF)[None, :]

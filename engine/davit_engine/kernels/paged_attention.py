@@ -162,26 +162,28 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # the request's metadata and this program's run of key tiles (before the wait if EARLY)
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
-    if EARLY:
-        seq_len = tl.load(seq_lens_ptr + req)
-        if FP8:
-            k_scale = tl.load(kv_scale_ptr + kv_head)
-            v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-        last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-        kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok)
-        num_tiles = tl.cdiv(kv_end, BLOCK_N)
-        if BALANCED:
-            tiles_per_split = _balanced_split_tiles(
-                seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS, BLOCK_N,
-                MIN_SPLIT_TILES,
-            )  # fmt: skip
-        else:
-            tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_begin = split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    seq_len = tl.load(seq_lens_ptr + req)
+    if FP8:
+        k_scale = tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
+    ctx_len = seq_len - q_len  # keys cached before this step
+    last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    kv_end = tl.minimum(seq_len, ctx_len + last_tok)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if BALANCED:  # the same run of tiles for every request's splits
+        tiles_per_split = _balanced_split_tiles(
+            seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS, BLOCK_N,
+            MIN_SPLIT_TILES,
+        )  # fmt: skip
+    else:  # each request's tiles in NUM_SPLITS runs
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    if EARLY:  # the first tile's block-table entries, then the wait
         next_keys = tile_begin * BLOCK_N + tl.arange(0, BLOCK_N)
         next_block = tl.load(table_row + next_keys // PAGE, mask=next_keys < kv_end, other=-1)
         if FP8:
@@ -190,10 +192,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             next_runs = next_block
         gdc_enter(USE_GDC)
     if q_tile * BLOCK_Q < q_len:
-        if not EARLY:
-            seq_len = tl.load(seq_lens_ptr + req)
-        ctx_len = seq_len - q_len  # keys cached before this step
-
         rows = tl.arange(0, BLOCK_M)
         tok = q_tile * BLOCK_Q + rows // GROUP_PAD  # token index within the request
         head_in_group = rows % GROUP_PAD
@@ -211,8 +209,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         )
         q_pos = ctx_len + tok
         if FP8:  # the per-head key scale folds into the score scale
-            if not EARLY:
-                k_scale = tl.load(kv_scale_ptr + kv_head)
             scale_log2 = scale_log2 * k_scale
         if ROTATE:  # keys are stored as k @ H: match them with q @ H, and H H^T = D I
             if not Q_ROTATED:  # (rotated already by the caller: no tile for H here)
@@ -221,23 +217,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             scale_log2 = scale_log2 * (1.0 / HEAD_DIM)
         if F16_DOT:
             q = to_f16_saturated(q)
-        if FP8 and not EARLY:
-            v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-
-        if not EARLY:
-            last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-            kv_end = tl.minimum(seq_len, ctx_len + last_tok)
-            num_tiles = tl.cdiv(kv_end, BLOCK_N)
-            if BALANCED:  # the same run of tiles for every request's splits
-                tiles_per_split = _balanced_split_tiles(
-                    seq_lens_ptr, num_requests, split_programs, NUM_KV_HEADS, NUM_SPLITS,
-                    BLOCK_N, MIN_SPLIT_TILES,
-                )  # fmt: skip
-            else:  # each request's tiles in NUM_SPLITS runs
-                tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-            tile_begin = split * tiles_per_split
-            tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-            table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
