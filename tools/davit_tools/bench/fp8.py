@@ -324,6 +324,83 @@ def section_gemm(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def section_mlp_block(args: argparse.Namespace) -> None:
+    """A decoder layer's second half at one token (o projection, add + RMSNorm, FP8 gate/up
+    with SiLU x up, down, add + RMSNorm) at Llama-3.1-8B's shapes: the five unfused kernels
+    against the persistent block (kernels/fp8_mlp_block.py) at several programs a
+    multiprocessor, 32 layers back to back in one graph, the layers' weights cycled beyond
+    L2; both forms' outputs compared bit for bit first."""
+    import itertools
+
+    from davit_engine.kernels import fp8_mlp_block as mb
+    from davit_engine.kernels.fp8_gemv import fp8_gemv
+    from davit_engine.kernels.layer_ops import add_rms_norm
+    from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
+    from davit_tools.bench.timing import graph_us
+
+    dev = torch.device("cuda")
+    h, inter = W2_SHAPES["o"][0], W2_SHAPES["down"][1]
+    copies = 6  # 6 x 193 MB of FP8 weights
+
+    def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        scale = w.float().abs().amax(dim=1) / FP8_MAX
+        return quantize_fp8(w, scale[:, None]), scale
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
+
+    layers = [
+        mb.MlpBlockWeights(
+            *fp8_weight(h, h),
+            norm(),
+            1e-5,
+            *fp8_weight(2 * inter, h),
+            *fp8_weight(h, inter),
+            norm(),
+            1e-5,
+        )  # fmt: skip
+        for _ in range(copies)
+    ]
+    attn = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
+    residual = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
+    counters = mb.new_counters(dev)
+
+    def unfused(w: mb.MlpBlockWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        o = fp8_gemv(attn, w.o_weight, w.o_scale)
+        x1, s1 = add_rms_norm(o, residual, w.post_norm, w.post_eps)
+        act = fp8_gemv(x1, w.gate_up_weight, w.gate_up_scale, gated=True)
+        return add_rms_norm(fp8_gemv(act, w.down_weight, w.down_scale), s1, w.next_norm, 1e-5)
+
+    cycle = itertools.cycle(layers)
+    weight_bytes = sum(
+        t.numel() for t in (layers[0].o_weight, layers[0].gate_up_weight, layers[0].down_weight)
+    )
+    row: dict[str, Any] = {"shape": f"hidden {h}, intermediate {inter}", "layers": 32,
+                           "weight_copies": copies, "weight_mb": round(weight_bytes / 1e6, 1)}  # fmt: skip
+    fused = mb.fp8_mlp_block(attn, residual, layers[0], counters)
+    torch.cuda.synchronize()
+    row["bit_equal"] = all(
+        torch.equal(a, b) for a, b in zip(fused, unfused(layers[0]), strict=True)
+    )
+    row["unfused_us"] = round(graph_us(lambda: unfused(next(cycle)), 32), 2)
+    row["unfused_tb_s"] = round(weight_bytes / row["unfused_us"] / 1e6, 3)
+    default_per_sm = mb.PROGRAMS_PER_SM
+    try:
+        for per_sm in (1, 2, 3, 4, 6, 8):
+            mb.PROGRAMS_PER_SM = per_sm
+            us = graph_us(lambda: mb.fp8_mlp_block(attn, residual, next(cycle), counters), 32)
+            programs = next(v for k, v in mb._GRID.items() if k[1] == per_sm)
+            row[f"fused_{per_sm}_us"] = round(us, 2)
+            row[f"fused_{per_sm}_programs"] = programs
+            row[f"fused_{per_sm}_tb_s"] = round(weight_bytes / us / 1e6, 3)
+    finally:
+        mb.PROGRAMS_PER_SM = default_per_sm
+    torch.cuda.synchronize()
+    row["waits_given_up"] = int(counters[mb._C_ERROR])
+    record("mlp-block", **row, **versions())
+
+
 def _attention_shape(
     label: str, batch: int, ctx: int, hq: int, hkv: int, device: str = "cuda",
     splits: int | None = None, sweep_splits: tuple[int, ...] = (),
@@ -621,6 +698,23 @@ VARIANTS = {
             ("fp8-kv", None, "fp8"),
             ("fp8-both", "fp8", "fp8"),
         )
+    },
+    # each decoder layer's o projection, post-attention norm, MLP and the norm after it as one
+    # persistent kernel at one token (fused_layers.PERSISTENT_FP8_MLP), at most 4 (its
+    # default), 2 or 8 programs a multiprocessor (fp8_mlp_block.PROGRAMS_PER_SM)
+    **{
+        f"fp8-both-mlp-block{suffix}": Variant(
+            f"fp8-both-mlp-block{suffix}",
+            "fp8",
+            "fp8",
+            (("davit_engine.runner.v2.fused_layers", "PERSISTENT_FP8_MLP", True),)
+            + (
+                (("davit_engine.kernels.fp8_mlp_block", "PROGRAMS_PER_SM", per_sm),)
+                if per_sm
+                else ()
+            ),
+        )
+        for suffix, per_sm in (("", 0), ("-2", 2), ("-8", 8))
     },
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
@@ -992,6 +1086,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1-profile": section_w1_profile,
     "w1-trajectory": section_w1_trajectory,
     "w2-profile": section_w2_profile,
+    "mlp-block": section_mlp_block,
     "memory": section_memory,
     "quality": section_quality,
 }

@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from davit_engine.kernels import fp8_mlp_block
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
@@ -74,6 +75,17 @@ def _attention_core(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
+    return module.o_proj(_attention_heads(module, x, cos, sin, kv_cache, meta))
+
+
+def _attention_heads(
+    module: LlamaAttention,
+    x: torch.Tensor,  # [T, hidden]
+    cos: torch.Tensor,  # [T, D] or [T, 1, D]
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, Hq * D], the o projection's input
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
     q, k, v = module.qkv_proj(x).split(module.split_sizes, dim=-1)
@@ -102,7 +114,7 @@ def _attention_core(
         assert k_rot is not None
         backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
         out = backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
-    return module.o_proj(out.reshape(num_tokens, heads * dim))
+    return out.reshape(num_tokens, heads * dim)
 
 
 def _fused_attention(module: LlamaAttention) -> Any | None:
@@ -135,11 +147,70 @@ def _fused_attention(module: LlamaAttention) -> Any | None:
     return None
 
 
+def _mlp_block_weights(
+    layer: LlamaDecoderLayer, next_norm: RMSNorm, device: torch.device
+) -> fp8_mlp_block.MlpBlockWeights | None:
+    """The layer's o projection, post-attention norm, MLP and the norm after the layer for
+    `fp8_mlp_block`, or None where they cannot run it (a projection not FP8 or biased, tiles
+    that are not whole on this device, a projection with a forward hook)."""
+    projections = (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    fp8 = [
+        m
+        for m in projections
+        # a hook (tensor parallelism's all-reduce of o and down) would be skipped by the block
+        if isinstance(m, Fp8Linear) and m.bias is None and not m._forward_hooks
+    ]
+    if len(fp8) != len(projections):
+        return None
+    o, gate_up, down = fp8
+    post = layer.post_attention_layernorm
+    o_s, gate_up_s, down_s = (cast(torch.Tensor, m.weight_scale) for m in fp8)
+    weights = fp8_mlp_block.MlpBlockWeights(
+        o.weight, o_s, post.weight, post.eps, gate_up.weight, gate_up_s, down.weight, down_s,
+        next_norm.weight, next_norm.eps,
+    )  # fmt: skip
+    return weights if fp8_mlp_block.check_shapes(weights, device) is None else None
+
+
+class _MlpBlocks:
+    """Per layer, the persistent block's weights and counters (None: the layer runs unfused),
+    made at the first one-token step outside a CUDA graph capture (the runner's eager warm-up):
+    the counters must outlive every graph that launches the block."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[fp8_mlp_block.MlpBlockWeights, torch.Tensor] | None] | None = None
+
+    def get(
+        self, layers: list[LlamaDecoderLayer], norms: list[RMSNorm], hidden: torch.Tensor
+    ) -> list[tuple[fp8_mlp_block.MlpBlockWeights, torch.Tensor] | None] | None:
+        if not PERSISTENT_FP8_MLP or hidden.shape[0] != 1:
+            return None
+        if self.blocks is None:
+            device = hidden.device
+            if not fp8_mlp_block.supported(device) or torch.cuda.is_current_stream_capturing():
+                return None
+            made = [
+                _mlp_block_weights(layer, norm, device)
+                for layer, norm in zip(layers, norms, strict=True)
+            ]
+            self.blocks = [
+                (w, fp8_mlp_block.new_counters(device)) if w is not None else None for w in made
+            ]
+        return self.blocks
+
+
+# Whether a one-token step runs each decoder layer's o projection, post-attention norm, FP8
+# MLP and the norm after it as one persistent kernel (kernels/fp8_mlp_block.py) where the
+# layer's projections are FP8. A switch so that a benchmark can time both.
+PERSISTENT_FP8_MLP = False
+
+
 def _fused_model(model: LlamaForCausalLM) -> Any:
     """The model's forward with every residual add fused into the RMSNorm after it."""
     layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
     norms_after_mlp: list[RMSNorm] = [layer.input_layernorm for layer in layers[1:]]
     norms_after_mlp.append(model.model.norm)
+    mlp_blocks = _MlpBlocks()
 
     def forward(
         input_ids: torch.Tensor,
@@ -157,7 +228,15 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
             return model.model.norm(residual)
         first = layers[0].input_layernorm
         x = rms_norm(residual, first.weight, first.eps)
-        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms_after_mlp, strict=True):
+        blocks = mlp_blocks.get(layers, norms_after_mlp, residual)
+        for i, (layer, kv_cache, next_norm) in enumerate(
+            zip(layers, kv_caches, norms_after_mlp, strict=True)
+        ):
+            block = blocks[i] if blocks is not None else None
+            if block is not None:
+                heads = _attention_heads(layer.self_attn, x, rope[0], rope[1], kv_cache, meta)
+                x, residual = fp8_mlp_block.fp8_mlp_block(heads, residual, *block)
+                continue
             attn = layer.self_attn(rope, x, kv_cache, meta)
             post = layer.post_attention_layernorm
             x, residual = add_rms_norm(attn, residual, post.weight, post.eps)

@@ -1,0 +1,367 @@
+"""A decoder layer's second half at one token in one persistent kernel: the attention output's
+FP8 o projection, the residual add and RMSNorm, the FP8 gate/up projection with SiLU x up,
+the FP8 down projection, and the residual add and RMSNorm that end the layer.
+
+At one token those are five kernels of a few microseconds to a few tens (o 7-8 us, gate/up
+33-43, down 17-22 on an H100 or H200), and each boundary costs the next grid's launch and the
+ramp of its memory stream: about 3.4 us a kernel beyond its bytes at W2's shapes (bench notes,
+run 25). Here one launch holds every program at once (the grid is sized from the compiled
+kernel's occupancy, at most `PROGRAMS_PER_SM` programs a multiprocessor), and the phases wait
+on each other through counters in global memory instead of kernel boundaries:
+
+    A  o = attn @ W_o^T * s_o               tiles of W_o spread over all programs
+       -- every program arrives; all wait --
+    B  s = o + residual; x = RMSNorm(s)     program 0 (one row: 8 KB), then a flag
+    C  h = silu(gate) * up of x @ W_gu^T    tiles of W_gu over all programs
+       -- every program arrives; all wait --
+    D  y = h @ W_down^T * s_down            tiles of W_down over all programs
+       -- every program arrives; program 0 waits --
+    E  s' = y + s; x' = RMSNorm'(s')        program 0
+
+A phase's tiles and arithmetic are those of `fp8_gemv` at one row (the same tile, warps and
+order of sums) and `add_rms_norm`'s, so the outputs are bit for bit the unfused kernels'.
+
+A barrier: the CTA's threads synchronize, one thread adds 1 to the phase's counter with
+release semantics at GPU scope, then polls it with acquire semantics until every program has
+arrived; values other programs wrote are then read through L2 (`.cg`), never a stale L1 line.
+The last program to leave the kernel sets the counters back to zero, so the next launch (the
+next step's graph replay) starts from zero without a memset. Every wait gives up after
+`MAX_SPINS` polls and counts the failure in the counters' error slot instead of hanging the
+GPU: the tests read it, and the host never launches more programs than can be resident.
+
+Under Triton's interpreter (the CPU) programs run one after another, so a barrier would never
+release: there each phase is its own launch (`fused=False`), the same code without barriers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from davit_engine.kernels import capability, interpreted, multiprocessors
+from davit_engine.kernels.fp8_gemv import (
+    GemvConfig,
+    _store_rows,
+    default_config,
+    default_split_k,
+)
+from davit_engine.kernels.layer_ops import _round
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import FP8_DTYPE
+
+try:  # round-to-nearest multiply that is never contracted into a fused multiply-add
+    from triton.language.extra.cuda.libdevice import mul_rn as _mul_rn
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _mul_rn = None
+
+# Programs per multiprocessor at most (fewer where the compiled kernel's registers or shared
+# memory do not allow that many resident at once). `fp8_gemv` aims at 4 per multiprocessor.
+PROGRAMS_PER_SM = 4
+# Polls of a counter before a wait gives up (and counts an error): far beyond any real wait
+# (a poll is an L2 round trip, ~1 us), short enough that a broken barrier shows as an error.
+MAX_SPINS = 1 << 22
+# Counter slots: barriers after A, B (a flag), C and D; programs that left; errors.
+_C_O, _C_NORM, _C_GU, _C_DOWN, _C_EXIT, _C_ERROR = range(6)
+NUM_COUNTERS = 8
+# Phases, for the launches one phase at a time.
+PHASE_O, PHASE_NORM, PHASE_GATE_UP, PHASE_DOWN, PHASE_NORM_OUT, ALL_PHASES = range(6)
+
+
+@triton.jit
+def _arrive(counter_ptr):  # type: ignore[no-untyped-def]
+    tl.debug_barrier()  # every thread's stores of the phase precede the release
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ignore[no-untyped-def]
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_add(error_ptr, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _gemv_tiles(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, scale_ptr, out_ptr, N, K, first, step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """Tiles `first, first + step, ...` of the one-row product `x @ W^T * scale` (GATED: W is
+    [gate | up], 2N rows, and the output silu(gate) * up), each as `fp8_gemv`'s one-row program
+    `pid_n` computes it. x is read through L2: another program wrote it in this launch."""
+    lanes = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, 1)
+    num_tiles = tl.cdiv(2 * N if GATED else N, BLOCK_N)
+    for pid_n in range(first, num_tiles, step):
+        cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
+        w_row = tl.minimum(cols, N - 1)
+        if GATED:
+            w_row += (lanes % 2) * N
+        w_rows = w_ptr + w_row.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+        x_row = x_ptr + (cols * 0)[:, None]  # [BLOCK_N, 1]: x in W's layout
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            w = tl.load(w_rows + kk[None, :])
+            x = tl.load(x_row + kk[None, :], cache_modifier=".cg")
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
+        _store_rows(total, rows, cols, w_row, pid_n, 0, 1, N, scale_ptr, scale_ptr, out_ptr,
+                    out_ptr, 0, False, 1, BLOCK_N, 1, GATED)  # fmt: skip
+
+
+@triton.jit
+def _add_rms_norm_row(  # type: ignore[no-untyped-def]
+    x_ptr, residual_ptr, sum_ptr, weight_ptr, out_ptr, eps,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, SQUARE_RN: tl.constexpr,
+):  # fmt: skip
+    """`layer_ops.add_rms_norm` of one row, as its one-row program computes it. SQUARE_RN: the
+    squares by an uncontracted multiply (this kernel contracts multiply-adds elsewhere; the
+    norm kernel does not)."""
+    rows = tl.arange(0, 1)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < 1)[:, None] & (dims[None, :] < DIM)
+    dst = rows[:, None] * DIM + dims[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    r = tl.load(residual_ptr + dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = _round(x + r, dtype)
+    tl.store(sum_ptr + dst, x.to(dtype), mask=mask)
+    squares = _mul_rn(x, x) if SQUARE_RN else x * x
+    variance = tl.sum(squares, 1) / DIM
+    normed = _round(x * tl.rsqrt(variance + eps)[:, None], dtype)
+    w = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, (normed * w[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit
+def _mlp_block_kernel(  # type: ignore[no-untyped-def]
+    attn_ptr,  # [q_size] the attention output (the o projection's input)
+    residual_ptr,  # [H] the residual stream before this layer's attention add
+    o_w_ptr, o_s_ptr,  # [H, q_size] fp8, [H] fp32
+    post_w_ptr,  # [H] post-attention norm weight
+    gu_w_ptr, gu_s_ptr,  # [2I, H] fp8 ([gate | up]), [2I] fp32
+    down_w_ptr, down_s_ptr,  # [H, I] fp8, [H] fp32
+    next_w_ptr,  # [H] the norm after the layer (the next layer's input norm, or the final)
+    o_ptr, sum1_ptr, x1_ptr, h_ptr, y_ptr,  # scratch: [H], [H], [H], [I], [H]
+    sum2_ptr, x2_ptr,  # outputs: [H] the residual stream after the layer, [H] its norm
+    counter_ptr,  # [NUM_COUNTERS] int32, zero at launch; zero again when the kernel ends
+    post_eps, next_eps,
+    num_programs,
+    H: tl.constexpr, Q: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr,
+    O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
+    D_BN: tl.constexpr, D_BK: tl.constexpr, PHASE: tl.constexpr, SQUARE_RN: tl.constexpr,
+    MAX_SPINS: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    fused: tl.constexpr = PHASE == 5
+    errors = counter_ptr + 5
+    gdc_enter(USE_GDC)
+    if fused or PHASE == 0:
+        _gemv_tiles(attn_ptr, o_w_ptr, o_s_ptr, o_ptr, H, Q, pid, num_programs,
+                    O_BN, O_BK, False)  # fmt: skip
+    if fused:
+        _arrive(counter_ptr + 0)
+        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS)
+    if fused or PHASE == 1:  # noqa: SIM102 - a constexpr, then a value (Triton)
+        if pid == 0:
+            _add_rms_norm_row(o_ptr, residual_ptr, sum1_ptr, post_w_ptr, x1_ptr, post_eps,
+                              H, BLOCK_H, SQUARE_RN)  # fmt: skip
+            if fused:
+                _arrive(counter_ptr + 1)
+    if fused:  # noqa: SIM102
+        if pid != 0:
+            _wait(counter_ptr + 1, 1, errors, MAX_SPINS)
+    if fused or PHASE == 2:
+        _gemv_tiles(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
+                    GU_BN, GU_BK, True)  # fmt: skip
+    if fused:
+        _arrive(counter_ptr + 2)
+        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS)
+    if fused or PHASE == 3:
+        _gemv_tiles(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
+                    D_BN, D_BK, False)  # fmt: skip
+    if fused:
+        _arrive(counter_ptr + 3)
+    if fused or PHASE == 4:  # noqa: SIM102
+        if pid == 0:
+            if fused:
+                _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS)
+            _add_rms_norm_row(y_ptr, sum1_ptr, sum2_ptr, next_w_ptr, x2_ptr, next_eps,
+                              H, BLOCK_H, SQUARE_RN)  # fmt: skip
+    if fused:
+        # The last program out has seen every other program leave its waits: it zeroes the
+        # barriers for the next launch (the error count stays for the host to read).
+        left = tl.atomic_add(counter_ptr + 4, 1, sem="acq_rel", scope="gpu")
+        if left == num_programs - 1:
+            for slot in tl.static_range(5):
+                tl.atomic_xchg(counter_ptr + slot, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class MlpBlockWeights:
+    """One decoder layer's tensors for `fp8_mlp_block` (FP8 weights with per-output-channel
+    float32 scales, no biases)."""
+
+    o_weight: torch.Tensor  # [H, Q]
+    o_scale: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    post_eps: float
+    gate_up_weight: torch.Tensor  # [2I, H]
+    gate_up_scale: torch.Tensor  # [2I]
+    down_weight: torch.Tensor  # [H, I]
+    down_scale: torch.Tensor  # [H]
+    next_norm: torch.Tensor  # [H]
+    next_eps: float
+
+
+def tile_configs(w: MlpBlockWeights, device: torch.device) -> tuple[GemvConfig, ...]:
+    """The o, gate/up and down phases' tiles: `fp8_gemv`'s one-row choices for these shapes
+    on `device`, so that each phase computes what the unfused product computes."""
+    return tuple(
+        default_config(1, weight.shape[0], device)
+        for weight in (w.o_weight, w.gate_up_weight, w.down_weight)
+    )
+
+
+def check_shapes(w: MlpBlockWeights, device: torch.device) -> str | None:
+    """Why these tensors cannot run the block on `device` (None: they can). The tiles are
+    whole: every K a multiple of its tile's K step and every output count of its rows; the
+    unfused products run unsplit there (else their sums' order differs)."""
+    h, q = w.o_weight.shape
+    two_i, h_gu = w.gate_up_weight.shape
+    h_down, inter = w.down_weight.shape
+    for name, t in (("o", w.o_weight), ("gate_up", w.gate_up_weight), ("down", w.down_weight)):
+        if t.dtype != FP8_DTYPE or not t.is_contiguous():
+            return f"{name} weight must be contiguous float8_e4m3fn (got {t.dtype})"
+    if h_gu != h or h_down != h or two_i != 2 * inter:
+        return (
+            f"shapes do not chain: o {tuple(w.o_weight.shape)}, gate_up {(two_i, h_gu)}, "
+            f"down {(h_down, inter)}"
+        )
+    for name, config, (n, k) in zip(
+        ("o", "gate_up", "down"),
+        tile_configs(w, device),
+        ((h, q), (two_i, h), (h, inter)),
+        strict=True,
+    ):
+        if k % config.block_k or n % config.block_n:
+            return f"{name} [{n}, {k}] is not a whole number of {config.label} tiles"
+        if default_split_k(n, k, config, device) != 1:
+            return f"{name} [{n}, {k}]: the unfused product splits K here"
+    for name, t, n in (("o", w.o_scale, h), ("gate_up", w.gate_up_scale, two_i),
+                       ("down", w.down_scale, h)):  # fmt: skip
+        if t.dtype != torch.float32 or t.shape != (n,):
+            return f"{name} scale must be float32 [{n}] (got {t.dtype} {tuple(t.shape)})"
+    return None
+
+
+def new_counters(device: torch.device) -> torch.Tensor:
+    """A launch site's counters (zero; each launch leaves them zero again). Make them outside a
+    CUDA graph capture and keep them as long as the site launches."""
+    return torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+
+
+def occupancy(regs: int, shared: int, num_warps: int, device: torch.device) -> int:
+    """Programs of a compiled kernel (`regs` registers a thread, `shared` bytes of shared
+    memory a program) that one multiprocessor of `device` holds at once."""
+    props = torch.cuda.get_device_properties(device)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # allocated per warp, 256 at a time
+    by_regs = props.regs_per_multiprocessor // (per_warp * num_warps)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0)) or 228 * 1024
+    by_smem = smem // (shared + 1024)  # the runtime reserves 1 KB a program
+    return max(0, min(by_regs, by_threads, by_smem, 32))
+
+
+def fp8_mlp_block(
+    attn: torch.Tensor,  # [1, Q] the attention output, in the activation dtype
+    residual: torch.Tensor,  # [1, H]
+    w: MlpBlockWeights,
+    counters: torch.Tensor,  # `new_counters`
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', s'): s = attn @ W_o^T + residual, x = RMSNorm(s), s' = s + down(silu(gate) * up of
+    x), x' = RMSNorm'(s') -- `fp8_gemv`'s products and `add_rms_norm`'s norms at one token, bit
+    for bit, in one persistent launch (`fused`, the default on a GPU) or one launch per phase
+    (the default under Triton's interpreter)."""
+    if attn.shape[0] != 1 or residual.shape[0] != 1:
+        raise ValueError(f"one token only (got attn {tuple(attn.shape)}, residual "
+                         f"{tuple(residual.shape)})")  # fmt: skip
+    problem = check_shapes(w, attn.device)
+    if problem is not None:
+        raise ValueError(f"fp8_mlp_block: {problem}")
+    h, q = w.o_weight.shape
+    inter = w.down_weight.shape[1]
+    if attn.shape[1] != q or residual.shape[1] != h or not attn.is_contiguous():
+        raise ValueError(f"attn must be contiguous [1, {q}] and residual [1, {h}]")
+    if fused is None:
+        fused = not interpreted()
+    if fused and interpreted():
+        raise ValueError("fused: the interpreter runs programs one after another; use fused=False")
+    dev, dtype = attn.device, attn.dtype
+    residual = residual.contiguous()
+    scratch = torch.empty(4 * h + inter, dtype=dtype, device=dev)
+    o, sum1, x1, y = (scratch[i * h : (i + 1) * h] for i in range(4))
+    hidden_act = scratch[4 * h :]
+    sum2 = torch.empty(1, h, dtype=dtype, device=dev)
+    x2 = torch.empty(1, h, dtype=dtype, device=dev)
+    o_cfg, gu_cfg, d_cfg = tile_configs(w, dev)
+    if len({o_cfg.num_warps, gu_cfg.num_warps, d_cfg.num_warps}) != 1:
+        raise ValueError("fp8_mlp_block: the phases' tiles need one warp count")
+    square_rn = dev.type == "cuda" and not interpreted() and _mul_rn is not None
+    args = (attn, residual, w.o_weight, w.o_scale, w.post_norm, w.gate_up_weight,
+            w.gate_up_scale, w.down_weight, w.down_scale, w.next_norm, o, sum1, x1,
+            hidden_act, y, sum2, x2, counters, w.post_eps, w.next_eps)  # fmt: skip
+    consts = dict(H=h, Q=q, INTER=inter, BLOCK_H=triton.next_power_of_2(h),
+                  O_BN=o_cfg.block_n, O_BK=o_cfg.block_k, GU_BN=gu_cfg.block_n,
+                  GU_BK=gu_cfg.block_k, D_BN=d_cfg.block_n, D_BK=d_cfg.block_k,
+                  SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, num_warps=o_cfg.num_warps,
+                  num_stages=1)  # fmt: skip
+    launch = pdl_launch(dev)
+    if not fused:
+        programs = PROGRAMS_PER_SM * multiprocessors(dev)
+        for phase in range(PHASE_NORM_OUT + 1):
+            _mlp_block_kernel[(programs,)](*args, programs, PHASE=phase, **consts, **launch)
+        return x2, sum2
+    programs = resident_programs(dev, args, consts)
+    _mlp_block_kernel[(programs,)](*args, programs, PHASE=ALL_PHASES, **consts, **launch)
+    return x2, sum2
+
+
+def resident_programs(device: torch.device, args: tuple[object, ...], consts: dict) -> int:
+    """The fused launch's grid: every program resident at once (the barriers need that), at
+    most `PROGRAMS_PER_SM` a multiprocessor."""
+    key = (tuple(sorted(consts.items())), PROGRAMS_PER_SM, device.index)
+    cached = _GRID.get(key)
+    if cached is not None:
+        return cached
+    compiled = _mlp_block_kernel.warmup(*args, 1, PHASE=ALL_PHASES, grid=(1,), **consts,
+                                        **pdl_launch(device))  # fmt: skip
+    compiled._init_handles()
+    resident = occupancy(
+        int(compiled.n_regs), int(compiled.metadata.shared), int(consts["num_warps"]), device
+    )
+    per_sm = min(PROGRAMS_PER_SM, resident)
+    if per_sm < 1:
+        raise RuntimeError("fp8_mlp_block: the compiled kernel does not fit a multiprocessor")
+    programs = per_sm * multiprocessors(device)
+    _GRID[key] = programs
+    return programs
+
+
+_GRID: dict[tuple[object, ...], int] = {}
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the fused launch can run on `device`: a GPU with FP8 conversions (sm_89+),
+    outside Triton's interpreter."""
+    return device.type == "cuda" and not interpreted() and capability(device) >= (8, 9)
