@@ -58,8 +58,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _mul_rn = None
 
 # Programs per multiprocessor at most (fewer where the compiled kernel's registers or shared
-# memory do not allow that many resident at once). `fp8_gemv` aims at 4 per multiprocessor.
-PROGRAMS_PER_SM = 4
+# memory do not allow that many resident at once): the unfused one-row products keep up to 8
+# of theirs resident, and a phase streams W only as fast as its programs keep loads in flight.
+PROGRAMS_PER_SM = 8
 # Polls of a counter before a wait gives up (and counts an error): far beyond any real wait
 # (a poll is an L2 round trip, ~1 us), short enough that a broken barrier shows as an error.
 MAX_SPINS = 1 << 22
@@ -77,14 +78,28 @@ def _arrive(counter_ptr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _asm_step(ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Run one PTX statement (a fence, a sleep) in every thread; kept by the compiler."""
+    tl.inline_asm_elementwise(
+        ASM + " mov.b32 $0, $1;", "=r,r", [tl.full([1], 0, tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ignore[no-untyped-def]
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    # Polled with plain volatile loads (read-modify-write polls of one address from hundreds
+    # of programs queue the arrivals behind them), a short sleep between polls, then an
+    # acquire fence: the arrivals' releases are then ordered before this program's reads.
+    seen = tl.load(counter_ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        _asm_step("nanosleep.u32 64;")
+        seen = tl.load(counter_ptr, volatile=True)
         spins += 1
     if seen < target:
         tl.atomic_add(error_ptr, 1, sem="relaxed", scope="gpu")
+    _asm_step("fence.acq_rel.gpu;")
     tl.debug_barrier()
 
 

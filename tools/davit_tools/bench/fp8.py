@@ -701,7 +701,7 @@ VARIANTS = {
     },
     # each decoder layer's o projection, post-attention norm, MLP and the norm after it as one
     # persistent kernel at one token (fused_layers.PERSISTENT_FP8_MLP), at most 4 (its
-    # default), 2 or 8 programs a multiprocessor (fp8_mlp_block.PROGRAMS_PER_SM)
+    # default, capped by occupancy), 2 or 4 programs a multiprocessor (fp8_mlp_block.PROGRAMS_PER_SM)
     **{
         f"fp8-both-mlp-block{suffix}": Variant(
             f"fp8-both-mlp-block{suffix}",
@@ -714,7 +714,7 @@ VARIANTS = {
                 else ()
             ),
         )
-        for suffix, per_sm in (("", 0), ("-2", 2), ("-8", 8))
+        for suffix, per_sm in (("", 0), ("-2", 2), ("-4", 4))
     },
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
