@@ -64,6 +64,10 @@ PROGRAMS_PER_SM = 8
 # Polls of a counter before a wait gives up (and counts an error): far beyond any real wait
 # (a poll is an L2 round trip, ~1 us), short enough that a broken barrier shows as an error.
 MAX_SPINS = 1 << 22
+# How waits poll (volatile loads with a sleep, or atomics) and whether the products read their
+# input through L2 only. Switches so that a benchmark can time each.
+POLL_LOADS = True
+X_CG = False
 # Counter slots: barriers after A, B (a flag), C and D; programs that left; errors.
 _C_O, _C_NORM, _C_GU, _C_DOWN, _C_EXIT, _C_ERROR = range(6)
 NUM_COUNTERS = 8
@@ -87,15 +91,26 @@ def _asm_step(ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ignore[no-untyped-def]
-    # Polled with plain volatile loads (read-modify-write polls of one address from hundreds
-    # of programs queue the arrivals behind them), a short sleep between polls, then an
-    # acquire fence: the arrivals' releases are then ordered before this program's reads.
-    seen = tl.load(counter_ptr, volatile=True)
+def _poll(counter_ptr, POLL_LOADS: tl.constexpr):  # type: ignore[no-untyped-def]
+    if POLL_LOADS:
+        return tl.load(counter_ptr, volatile=True)
+    return tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _wait(  # type: ignore[no-untyped-def]
+    counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr, POLL_LOADS: tl.constexpr
+):
+    # POLL_LOADS: polled with volatile loads (read-modify-write polls of one address from
+    # hundreds of programs may queue the arrivals behind them), a short sleep between polls;
+    # else with acquiring atomics. Then an acquire fence: the arrivals' releases are ordered
+    # before this program's reads.
+    seen = _poll(counter_ptr, POLL_LOADS)
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):
-        _asm_step("nanosleep.u32 64;")
-        seen = tl.load(counter_ptr, volatile=True)
+        if POLL_LOADS:
+            _asm_step("nanosleep.u32 64;")
+        seen = _poll(counter_ptr, POLL_LOADS)
         spins += 1
     if seen < target:
         tl.atomic_add(error_ptr, 1, sem="relaxed", scope="gpu")
@@ -106,11 +121,13 @@ def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ign
 @triton.jit
 def _gemv_tiles(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, first, step,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, X_CG: tl.constexpr,
 ):  # fmt: skip
     """Tiles `first, first + step, ...` of the one-row product `x @ W^T * scale` (GATED: W is
     [gate | up], 2N rows, and the output silu(gate) * up), each as `fp8_gemv`'s one-row program
-    `pid_n` computes it. x is read through L2: another program wrote it in this launch."""
+    `pid_n` computes it. x was written by other programs in this launch, after the barrier
+    before this phase; no multiprocessor read its addresses before in the launch, so its L1
+    holds no stale line of it (X_CG: read through L2 regardless)."""
     lanes = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, 1)
@@ -126,7 +143,10 @@ def _gemv_tiles(  # type: ignore[no-untyped-def]
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
             w = tl.load(w_rows + kk[None, :])
-            x = tl.load(x_row + kk[None, :], cache_modifier=".cg")
+            if X_CG:
+                x = tl.load(x_row + kk[None, :], cache_modifier=".cg")
+            else:
+                x = tl.load(x_row + kk[None, :])
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
         _store_rows(total, rows, cols, w_row, pid_n, 0, 1, N, scale_ptr, scale_ptr, out_ptr,
@@ -174,7 +194,8 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     H: tl.constexpr, Q: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr,
     O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
     D_BN: tl.constexpr, D_BK: tl.constexpr, PHASE: tl.constexpr, SQUARE_RN: tl.constexpr,
-    MAX_SPINS: tl.constexpr, USE_GDC: tl.constexpr,
+    MAX_SPINS: tl.constexpr, POLL_LOADS: tl.constexpr, X_CG: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     fused: tl.constexpr = PHASE == 5
@@ -182,10 +203,10 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     gdc_enter(USE_GDC)
     if fused or PHASE == 0:
         _gemv_tiles(attn_ptr, o_w_ptr, o_s_ptr, o_ptr, H, Q, pid, num_programs,
-                    O_BN, O_BK, False)  # fmt: skip
+                    O_BN, O_BK, False, X_CG)  # fmt: skip
     if fused:
         _arrive(counter_ptr + 0)
-        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS)
+        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS, POLL_LOADS)
     if fused or PHASE == 1:  # noqa: SIM102 - a constexpr, then a value (Triton)
         if pid == 0:
             _add_rms_norm_row(o_ptr, residual_ptr, sum1_ptr, post_w_ptr, x1_ptr, post_eps,
@@ -194,22 +215,22 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
                 _arrive(counter_ptr + 1)
     if fused:  # noqa: SIM102
         if pid != 0:
-            _wait(counter_ptr + 1, 1, errors, MAX_SPINS)
+            _wait(counter_ptr + 1, 1, errors, MAX_SPINS, POLL_LOADS)
     if fused or PHASE == 2:
         _gemv_tiles(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
-                    GU_BN, GU_BK, True)  # fmt: skip
+                    GU_BN, GU_BK, True, X_CG)  # fmt: skip
     if fused:
         _arrive(counter_ptr + 2)
-        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS)
+        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS, POLL_LOADS)
     if fused or PHASE == 3:
         _gemv_tiles(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
-                    D_BN, D_BK, False)  # fmt: skip
+                    D_BN, D_BK, False, X_CG)  # fmt: skip
     if fused:
         _arrive(counter_ptr + 3)
     if fused or PHASE == 4:  # noqa: SIM102
         if pid == 0:
             if fused:
-                _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS)
+                _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS, POLL_LOADS)
             _add_rms_norm_row(y_ptr, sum1_ptr, sum2_ptr, next_w_ptr, x2_ptr, next_eps,
                               H, BLOCK_H, SQUARE_RN)  # fmt: skip
     if fused:
@@ -339,7 +360,8 @@ def fp8_mlp_block(
     consts = dict(H=h, Q=q, INTER=inter, BLOCK_H=triton.next_power_of_2(h),
                   O_BN=o_cfg.block_n, O_BK=o_cfg.block_k, GU_BN=gu_cfg.block_n,
                   GU_BK=gu_cfg.block_k, D_BN=d_cfg.block_n, D_BK=d_cfg.block_k,
-                  SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, num_warps=o_cfg.num_warps,
+                  SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, POLL_LOADS=POLL_LOADS, X_CG=X_CG,
+                  num_warps=o_cfg.num_warps,
                   num_stages=1)  # fmt: skip
     launch = pdl_launch(dev)
     if not fused:
@@ -348,6 +370,8 @@ def fp8_mlp_block(
             _mlp_block_kernel[(programs,)](*args, programs, PHASE=phase, **consts, **launch)
         return x2, sum2
     programs = resident_programs(dev, args, consts)
+    global last_programs
+    last_programs = programs
     _mlp_block_kernel[(programs,)](*args, programs, PHASE=ALL_PHASES, **consts, **launch)
     return x2, sum2
 
@@ -374,6 +398,8 @@ def resident_programs(device: torch.device, args: tuple[object, ...], consts: di
 
 
 _GRID: dict[tuple[object, ...], int] = {}
+# The grid of the last fused launch (for benchmarks' reports).
+last_programs = 0
 
 
 def supported(device: torch.device) -> bool:
