@@ -306,16 +306,31 @@ def new_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
 
 
-def occupancy(regs: int, shared: int, num_warps: int, device: torch.device) -> int:
-    """Programs of a compiled kernel (`regs` registers a thread, `shared` bytes of shared
-    memory a program) that one multiprocessor of `device` holds at once."""
-    props = torch.cuda.get_device_properties(device)
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # allocated per warp, 256 at a time
-    by_regs = props.regs_per_multiprocessor // (per_warp * num_warps)
-    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
-    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0)) or 228 * 1024
-    by_smem = smem // (shared + 1024)  # the runtime reserves 1 KB a program
-    return max(0, min(by_regs, by_threads, by_smem, 32))
+# CUfunction_attribute CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, and its value for
+# the largest shared memory carveout
+_CARVEOUT_ATTRIBUTE = 9
+_MAX_CARVEOUT = 100
+
+
+def occupancy(function: int, num_warps: int, shared: int) -> int:
+    """Programs of the loaded kernel `function` (a CUfunction handle) that one multiprocessor
+    holds at once, asked of the driver after preferring the largest shared memory carveout
+    (else the driver may pick a smaller one at launch, and fewer programs fit than counted
+    from registers and shared memory alone)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(function)
+    status = cuda.cuFuncSetAttribute(handle, _CARVEOUT_ATTRIBUTE, _MAX_CARVEOUT)
+    if status != 0:
+        raise RuntimeError(f"fp8_mlp_block: cuFuncSetAttribute failed ({status})")
+    blocks = ctypes.c_int(0)
+    status = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), handle, 32 * num_warps, ctypes.c_size_t(shared)
+    )
+    if status != 0:
+        raise RuntimeError(f"fp8_mlp_block: the driver's occupancy query failed ({status})")
+    return blocks.value
 
 
 def fp8_mlp_block(
@@ -387,7 +402,7 @@ def resident_programs(device: torch.device, args: tuple[object, ...], consts: di
                                         **pdl_launch(device))  # fmt: skip
     compiled._init_handles()
     resident = occupancy(
-        int(compiled.n_regs), int(compiled.metadata.shared), int(consts["num_warps"]), device
+        int(compiled.function), int(consts["num_warps"]), int(compiled.metadata.shared)
     )
     per_sm = min(PROGRAMS_PER_SM, resident)
     if per_sm < 1:
