@@ -23,14 +23,23 @@ order of sums) and `add_rms_norm`'s, so the outputs are bit for bit the unfused 
 
 A barrier: the CTA's threads synchronize, one thread adds 1 to the phase's counter with
 release semantics at GPU scope, then polls it with acquire semantics until every program has
-arrived; values other programs wrote are then read through L2 (`.cg`), never a stale L1 line.
-The last program to leave the kernel sets the counters back to zero, so the next launch (the
+arrived, and the CTA's threads go on after a fence. A phase reads values other programs wrote
+only after the barrier that follows their writing, and no multiprocessor read those addresses
+before in the launch, so no L1 line of them can be stale (the norms read through L2 anyway;
+`X_CG` makes the products do so too). The last program to leave the kernel sets the counters back to zero, so the next launch (the
 next step's graph replay) starts from zero without a memset. Every wait gives up after
 `MAX_SPINS` polls and counts the failure in the counters' error slot instead of hanging the
 GPU: the tests read it, and the host never launches more programs than can be resident.
 
 Under Triton's interpreter (the CPU) programs run one after another, so a barrier would never
 release: there each phase is its own launch (`fused=False`), the same code without barriers.
+
+Status (bench notes, run 26): correct (bit for bit in captured graphs on an H100 and an H200;
+W2 decoded the same 256 tokens) but slower than the five kernels it replaces: on an H100, 150
+to 420 us a layer against their 75.7, so the runner's switch
+(`fused_layers.PERSISTENT_FP8_MLP`) is off. Each program keeps one tile's loads in flight,
+and six resident programs a multiprocessor stream W at half the rate of the unfused
+products' grids.
 """
 
 from __future__ import annotations
@@ -64,9 +73,8 @@ PROGRAMS_PER_SM = 8
 # Polls of a counter before a wait gives up (and counts an error): far beyond any real wait
 # (a poll is an L2 round trip, ~1 us), short enough that a broken barrier shows as an error.
 MAX_SPINS = 1 << 22
-# How waits poll (volatile loads with a sleep, or atomics) and whether the products read their
-# input through L2 only. Switches so that a benchmark can time each.
-POLL_LOADS = True
+# Whether the products read their input through L2 only (`.cg`); a switch so that a benchmark
+# can time both.
 X_CG = False
 # Counter slots: barriers after A, B (a flag), C and D; programs that left; errors.
 _C_O, _C_NORM, _C_GU, _C_DOWN, _C_EXIT, _C_ERROR = range(6)
@@ -83,7 +91,7 @@ def _arrive(counter_ptr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _asm_step(ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Run one PTX statement (a fence, a sleep) in every thread; kept by the compiler."""
+    """Run one PTX statement (a fence) in every thread; kept by the compiler."""
     tl.inline_asm_elementwise(
         ASM + " mov.b32 $0, $1;", "=r,r", [tl.full([1], 0, tl.int32)], dtype=tl.int32,
         is_pure=False, pack=1,
@@ -91,26 +99,15 @@ def _asm_step(ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _poll(counter_ptr, POLL_LOADS: tl.constexpr):  # type: ignore[no-untyped-def]
-    if POLL_LOADS:
-        return tl.load(counter_ptr, volatile=True)
-    return tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _wait(  # type: ignore[no-untyped-def]
-    counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr, POLL_LOADS: tl.constexpr
-):
-    # POLL_LOADS: polled with volatile loads (read-modify-write polls of one address from
-    # hundreds of programs may queue the arrivals behind them), a short sleep between polls;
-    # else with acquiring atomics. Then an acquire fence: the arrivals' releases are ordered
-    # before this program's reads.
-    seen = _poll(counter_ptr, POLL_LOADS)
+def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Polled by one thread: Triton compiles an acquiring add of 0 to an acquire load at GPU
+    # scope by one thread, its value shared through shared memory (volatile loads by every
+    # thread with a sleep between polls gave up waits at Llama-3.1-8B's shapes on an H100 and
+    # an H200: bench notes, run 26); then a fence before the CTA's threads go on together.
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):
-        if POLL_LOADS:
-            _asm_step("nanosleep.u32 64;")
-        seen = _poll(counter_ptr, POLL_LOADS)
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
     if seen < target:
         tl.atomic_add(error_ptr, 1, sem="relaxed", scope="gpu")
@@ -194,7 +191,7 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     H: tl.constexpr, Q: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr,
     O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
     D_BN: tl.constexpr, D_BK: tl.constexpr, PHASE: tl.constexpr, SQUARE_RN: tl.constexpr,
-    MAX_SPINS: tl.constexpr, POLL_LOADS: tl.constexpr, X_CG: tl.constexpr,
+    MAX_SPINS: tl.constexpr, X_CG: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -206,7 +203,7 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
                     O_BN, O_BK, False, X_CG)  # fmt: skip
     if fused:
         _arrive(counter_ptr + 0)
-        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS, POLL_LOADS)
+        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS)
     if fused or PHASE == 1:  # noqa: SIM102 - a constexpr, then a value (Triton)
         if pid == 0:
             _add_rms_norm_row(o_ptr, residual_ptr, sum1_ptr, post_w_ptr, x1_ptr, post_eps,
@@ -215,13 +212,13 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
                 _arrive(counter_ptr + 1)
     if fused:  # noqa: SIM102
         if pid != 0:
-            _wait(counter_ptr + 1, 1, errors, MAX_SPINS, POLL_LOADS)
+            _wait(counter_ptr + 1, 1, errors, MAX_SPINS)
     if fused or PHASE == 2:
         _gemv_tiles(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
                     GU_BN, GU_BK, True, X_CG)  # fmt: skip
     if fused:
         _arrive(counter_ptr + 2)
-        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS, POLL_LOADS)
+        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS)
     if fused or PHASE == 3:
         _gemv_tiles(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
                     D_BN, D_BK, False, X_CG)  # fmt: skip
@@ -230,7 +227,7 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     if fused or PHASE == 4:  # noqa: SIM102
         if pid == 0:
             if fused:
-                _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS, POLL_LOADS)
+                _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS)
             _add_rms_norm_row(y_ptr, sum1_ptr, sum2_ptr, next_w_ptr, x2_ptr, next_eps,
                               H, BLOCK_H, SQUARE_RN)  # fmt: skip
     if fused:
@@ -375,7 +372,7 @@ def fp8_mlp_block(
     consts = dict(H=h, Q=q, INTER=inter, BLOCK_H=triton.next_power_of_2(h),
                   O_BN=o_cfg.block_n, O_BK=o_cfg.block_k, GU_BN=gu_cfg.block_n,
                   GU_BK=gu_cfg.block_k, D_BN=d_cfg.block_n, D_BK=d_cfg.block_k,
-                  SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, POLL_LOADS=POLL_LOADS, X_CG=X_CG,
+                  SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, X_CG=X_CG,
                   num_warps=o_cfg.num_warps,
                   num_stages=1)  # fmt: skip
     launch = pdl_launch(dev)

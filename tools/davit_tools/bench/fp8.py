@@ -385,19 +385,18 @@ def section_mlp_block(args: argparse.Namespace) -> None:
     )
     row["unfused_us"] = round(graph_us(lambda: unfused(next(cycle)), 32), 2)
     row["unfused_tb_s"] = round(weight_bytes / row["unfused_us"] / 1e6, 3)
-    defaults = (mb.PROGRAMS_PER_SM, mb.POLL_LOADS, mb.X_CG)
-    # (label, programs a multiprocessor at most, waits poll with loads, x through L2 only)
-    forms = [(f"{n}", n, True, False) for n in (2, 4, 6, 8)]
-    forms += [("8_atomic_polls", 8, False, False), ("8_x_cg", 8, True, True)]
+    defaults = (mb.PROGRAMS_PER_SM, mb.X_CG)
+    # (label, programs a multiprocessor at most, x through L2 only)
+    forms = [(f"{n}", n, False) for n in (2, 4, 6, 8)] + [("8_x_cg", 8, True)]
     try:
-        for label, per_sm, poll_loads, x_cg in forms:
-            mb.PROGRAMS_PER_SM, mb.POLL_LOADS, mb.X_CG = per_sm, poll_loads, x_cg
+        for label, per_sm, x_cg in forms:
+            mb.PROGRAMS_PER_SM, mb.X_CG = per_sm, x_cg
             us = graph_us(lambda: mb.fp8_mlp_block(attn, residual, next(cycle), counters), 32)
             row[f"fused_{label}_us"] = round(us, 2)
             row[f"fused_{label}_programs"] = mb.last_programs
             row[f"fused_{label}_tb_s"] = round(weight_bytes / us / 1e6, 3)
     finally:
-        mb.PROGRAMS_PER_SM, mb.POLL_LOADS, mb.X_CG = defaults
+        mb.PROGRAMS_PER_SM, mb.X_CG = defaults
     torch.cuda.synchronize()
     row["waits_given_up"] = int(counters[mb._C_ERROR])
     record("mlp-block", **row, **versions())
