@@ -35,11 +35,12 @@ Under Triton's interpreter (the CPU) programs run one after another, so a barrie
 release: there each phase is its own launch (`fused=False`), the same code without barriers.
 
 Status (bench notes, run 26): correct (bit for bit in captured graphs on an H100 and an H200;
-W2 decoded the same 256 tokens) but slower than the five kernels it replaces: on an H100, 150
-to 420 us a layer against their 75.7, so the runner's switch
-(`fused_layers.PERSISTENT_FP8_MLP`) is off. Each program keeps one tile's loads in flight,
-and six resident programs a multiprocessor stream W at half the rate of the unfused
-products' grids.
+W2 decoded the same 256 tokens) but slower than the five kernels it replaces in its first
+form: on an H100, 150 to 420 us a layer against their 75.7, so the runner's switch
+(`fused_layers.PERSISTENT_FP8_MLP`) is off. Then at 80 registers 6 programs fitted a
+multiprocessor, where the unfused products keep 8 of theirs resident. Untimed since: the
+register cap (`MAX_REGISTERS`), two K steps' loads at once (`K_UNROLL`), and the timer stamps
+that show where a launch's time goes (`trace`).
 """
 
 from __future__ import annotations
@@ -73,9 +74,22 @@ PROGRAMS_PER_SM = 8
 # Polls of a counter before a wait gives up (and counts an error): far beyond any real wait
 # (a poll is an L2 round trip, ~1 us), short enough that a broken barrier shows as an error.
 MAX_SPINS = 1 << 22
-# Whether the products read their input through L2 only (`.cg`); a switch so that a benchmark
-# can time both.
+# Whether the products read their input through L2 only (`.cg`), and whether they issue two K
+# steps' loads at once where K allows (`_gemv_tiles`' UNROLL). Switches so that a benchmark can
+# time each; the second is untimed.
 X_CG = False
+K_UNROLL = 1
+# Registers a thread at most (None: the compiler's choice). Compiled for sm_90 (Triton 3.6) the
+# kernel takes 80, so 6 programs of 4 warps fit a multiprocessor: 792 on 132, which leaves o's
+# and down's 1,024 tiles at two for some programs. At 64, 8 fit (1,056 programs: one tile of o
+# and of down each, at most four of gate/up's 3,584) and 88 bytes spill, in the tile loops'
+# set-up and the norms, not in the K loops. Untimed: a switch for the bench.
+MAX_REGISTERS: int | None = 64
+# Timer stamps a program writes when traced: after its wait for the kernel before, after the o
+# tiles, after the barrier that follows, after the norm's flag (program 0: after the norm),
+# after the gate/up tiles, after the barrier, after the down tiles, at the end.
+TRACE_SLOTS = 8
+_TRACE_SLOTS = tl.constexpr(TRACE_SLOTS)
 # Counter slots: barriers after A, B (a flag), C and D; programs that left; errors.
 _C_O, _C_NORM, _C_GU, _C_DOWN, _C_EXIT, _C_ERROR = range(6)
 NUM_COUNTERS = 8
@@ -116,15 +130,36 @@ def _wait(counter_ptr, target, error_ptr, MAX_SPINS: tl.constexpr):  # type: ign
 
 
 @triton.jit
+def _load_x(ptrs, X_CG: tl.constexpr):  # type: ignore[no-untyped-def]
+    if X_CG:
+        return tl.load(ptrs, cache_modifier=".cg")
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _stamp(trace_ptr, pid, SLOT: tl.constexpr, TRACE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """TRACE: the global nanosecond timer into this program's SLOT of the trace rows."""
+    if TRACE:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,l", [tl.full([1], 0, tl.int64)], dtype=tl.int64,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+        tl.store(trace_ptr + pid * _TRACE_SLOTS + SLOT + tl.arange(0, 1), now)
+
+
+@triton.jit
 def _gemv_tiles(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, first, step,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, X_CG: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Tiles `first, first + step, ...` of the one-row product `x @ W^T * scale` (GATED: W is
     [gate | up], 2N rows, and the output silu(gate) * up), each as `fp8_gemv`'s one-row program
     `pid_n` computes it. x was written by other programs in this launch, after the barrier
     before this phase; no multiprocessor read its addresses before in the launch, so its L1
-    holds no stale line of it (X_CG: read through L2 regardless)."""
+    holds no stale line of it (X_CG: read through L2 regardless). UNROLL 2: two K steps' loads
+    issued before either step's multiply-adds (twice the bytes in flight a program; the sums
+    in the same order; K a whole number of double steps)."""
     lanes = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, 1)
@@ -137,14 +172,17 @@ def _gemv_tiles(  # type: ignore[no-untyped-def]
         w_rows = w_ptr + w_row.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
         x_row = x_ptr + (cols * 0)[:, None]  # [BLOCK_N, 1]: x in W's layout
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, UNROLL * BLOCK_K):
             kk = k0 + ks
             w = tl.load(w_rows + kk[None, :])
-            if X_CG:
-                x = tl.load(x_row + kk[None, :], cache_modifier=".cg")
+            x = _load_x(x_row + kk[None, :], X_CG)
+            if UNROLL == 2:
+                w_next = tl.load(w_rows + (kk + BLOCK_K)[None, :])
+                x_next = _load_x(x_row + (kk + BLOCK_K)[None, :], X_CG)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += w_next.to(tl.float32) * x_next.to(tl.float32)
             else:
-                x = tl.load(x_row + kk[None, :])
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
         _store_rows(total, rows, cols, w_row, pid_n, 0, 1, N, scale_ptr, scale_ptr, out_ptr,
                     out_ptr, 0, False, 1, BLOCK_N, 1, GATED)  # fmt: skip
@@ -186,24 +224,29 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     o_ptr, sum1_ptr, x1_ptr, h_ptr, y_ptr,  # scratch: [H], [H], [H], [I], [H]
     sum2_ptr, x2_ptr,  # outputs: [H] the residual stream after the layer, [H] its norm
     counter_ptr,  # [NUM_COUNTERS] int32, zero at launch; zero again when the kernel ends
+    trace_ptr,  # TRACE: [programs, TRACE_SLOTS] int64 timer stamps
     post_eps, next_eps,
     num_programs,
     H: tl.constexpr, Q: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr,
     O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
     D_BN: tl.constexpr, D_BK: tl.constexpr, PHASE: tl.constexpr, SQUARE_RN: tl.constexpr,
-    MAX_SPINS: tl.constexpr, X_CG: tl.constexpr,
+    MAX_SPINS: tl.constexpr, X_CG: tl.constexpr, O_UNROLL: tl.constexpr,
+    GU_UNROLL: tl.constexpr, D_UNROLL: tl.constexpr, TRACE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     fused: tl.constexpr = PHASE == 5
     errors = counter_ptr + 5
     gdc_enter(USE_GDC)
+    _stamp(trace_ptr, pid, 0, TRACE)
     if fused or PHASE == 0:
         _gemv_tiles(attn_ptr, o_w_ptr, o_s_ptr, o_ptr, H, Q, pid, num_programs,
-                    O_BN, O_BK, False, X_CG)  # fmt: skip
+                    O_BN, O_BK, False, X_CG, O_UNROLL)  # fmt: skip
+    _stamp(trace_ptr, pid, 1, TRACE)
     if fused:
         _arrive(counter_ptr + 0)
         _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS)
+    _stamp(trace_ptr, pid, 2, TRACE)
     if fused or PHASE == 1:  # noqa: SIM102 - a constexpr, then a value (Triton)
         if pid == 0:
             _add_rms_norm_row(o_ptr, residual_ptr, sum1_ptr, post_w_ptr, x1_ptr, post_eps,
@@ -213,15 +256,19 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     if fused:  # noqa: SIM102
         if pid != 0:
             _wait(counter_ptr + 1, 1, errors, MAX_SPINS)
+    _stamp(trace_ptr, pid, 3, TRACE)
     if fused or PHASE == 2:
         _gemv_tiles(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
-                    GU_BN, GU_BK, True, X_CG)  # fmt: skip
+                    GU_BN, GU_BK, True, X_CG, GU_UNROLL)  # fmt: skip
+    _stamp(trace_ptr, pid, 4, TRACE)
     if fused:
         _arrive(counter_ptr + 2)
         _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS)
+    _stamp(trace_ptr, pid, 5, TRACE)
     if fused or PHASE == 3:
         _gemv_tiles(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
-                    D_BN, D_BK, False, X_CG)  # fmt: skip
+                    D_BN, D_BK, False, X_CG, D_UNROLL)  # fmt: skip
+    _stamp(trace_ptr, pid, 6, TRACE)
     if fused:
         _arrive(counter_ptr + 3)
     if fused or PHASE == 4:  # noqa: SIM102
@@ -230,6 +277,7 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
                 _wait(counter_ptr + 3, num_programs, errors, MAX_SPINS)
             _add_rms_norm_row(y_ptr, sum1_ptr, sum2_ptr, next_w_ptr, x2_ptr, next_eps,
                               H, BLOCK_H, SQUARE_RN)  # fmt: skip
+    _stamp(trace_ptr, pid, 7, TRACE)
     if fused:
         # The last program out has seen every other program leave its waits: it zeroes the
         # barriers for the next launch (the error count stays for the host to read).
@@ -336,11 +384,16 @@ def fp8_mlp_block(
     w: MlpBlockWeights,
     counters: torch.Tensor,  # `new_counters`
     fused: bool | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', s'): s = attn @ W_o^T + residual, x = RMSNorm(s), s' = s + down(silu(gate) * up of
     x), x' = RMSNorm'(s') -- `fp8_gemv`'s products and `add_rms_norm`'s norms at one token, bit
     for bit, in one persistent launch (`fused`, the default on a GPU) or one launch per phase
-    (the default under Triton's interpreter)."""
+    (the default under Triton's interpreter).
+
+    `trace` (fused only): an int64 tensor of at least `32 * multiprocessors` rows of
+    `TRACE_SLOTS`; the launch writes each program's timer stamps into its row (`last_programs`
+    rows are written)."""
     if attn.shape[0] != 1 or residual.shape[0] != 1:
         raise ValueError(f"one token only (got attn {tuple(attn.shape)}, residual "
                          f"{tuple(residual.shape)})")  # fmt: skip
@@ -356,6 +409,12 @@ def fp8_mlp_block(
     if fused and interpreted():
         raise ValueError("fused: the interpreter runs programs one after another; use fused=False")
     dev, dtype = attn.device, attn.dtype
+    if trace is not None:
+        rows = 32 * multiprocessors(dev)
+        if not fused or trace.dtype != torch.int64 or trace.device != dev:
+            raise ValueError("trace: an int64 tensor on the block's device, with fused=True")
+        if not trace.is_contiguous() or tuple(trace.shape) != (rows, TRACE_SLOTS):
+            raise ValueError(f"trace must be contiguous [{rows}, {TRACE_SLOTS}]")
     residual = residual.contiguous()
     scratch = torch.empty(4 * h + inter, dtype=dtype, device=dev)
     o, sum1, x1, y = (scratch[i * h : (i + 1) * h] for i in range(4))
@@ -368,13 +427,17 @@ def fp8_mlp_block(
     square_rn = dev.type == "cuda" and not interpreted() and _mul_rn is not None
     args = (attn, residual, w.o_weight, w.o_scale, w.post_norm, w.gate_up_weight,
             w.gate_up_scale, w.down_weight, w.down_scale, w.next_norm, o, sum1, x1,
-            hidden_act, y, sum2, x2, counters, w.post_eps, w.next_eps)  # fmt: skip
+            hidden_act, y, sum2, x2, counters, trace if trace is not None else counters,
+            w.post_eps, w.next_eps)  # fmt: skip
     consts = dict(H=h, Q=q, INTER=inter, BLOCK_H=triton.next_power_of_2(h),
                   O_BN=o_cfg.block_n, O_BK=o_cfg.block_k, GU_BN=gu_cfg.block_n,
                   GU_BK=gu_cfg.block_k, D_BN=d_cfg.block_n, D_BK=d_cfg.block_k,
                   SQUARE_RN=square_rn, MAX_SPINS=MAX_SPINS, X_CG=X_CG,
-                  num_warps=o_cfg.num_warps,
-                  num_stages=1)  # fmt: skip
+                  O_UNROLL=_unroll(q, o_cfg), GU_UNROLL=_unroll(h, gu_cfg),
+                  D_UNROLL=_unroll(inter, d_cfg), TRACE=trace is not None,
+                  num_warps=o_cfg.num_warps, num_stages=1)  # fmt: skip
+    if MAX_REGISTERS is not None and fused:
+        consts["maxnreg"] = MAX_REGISTERS
     launch = pdl_launch(dev)
     if not fused:
         programs = PROGRAMS_PER_SM * multiprocessors(dev)
@@ -386,6 +449,11 @@ def fp8_mlp_block(
     last_programs = programs
     _mlp_block_kernel[(programs,)](*args, programs, PHASE=ALL_PHASES, **consts, **launch)
     return x2, sum2
+
+
+def _unroll(k: int, config: GemvConfig) -> int:
+    """`K_UNROLL` where K is a whole number of its double steps, else 1."""
+    return 2 if K_UNROLL == 2 and (k // config.block_k) % 2 == 0 else 1
 
 
 def resident_programs(device: torch.device, args: tuple[object, ...], consts: dict) -> int:

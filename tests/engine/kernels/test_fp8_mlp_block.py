@@ -53,14 +53,18 @@ def _torch(
     )
 
 
+@pytest.mark.parametrize("unroll", [1, 2])
 @pytest.mark.parametrize("programs", [4, 20])
 def test_block_by_phase_matches_unfused_kernels(
-    device: torch.device, programs: int, monkeypatch: pytest.MonkeyPatch
+    device: torch.device, programs: int, unroll: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One launch per phase (the interpreter's form; on a GPU the same code without barriers):
     the unfused kernels' numbers bit for bit. 20 multiprocessors make the 512-output products
     take the narrow 4 x 1,024 tiles (fewer than 4 programs a multiprocessor of 8 x 512), as o
-    and down do on an H100; 4 keep the wide tiles."""
+    and down do on an H100; 4 keep the wide tiles. Unrolled (two K steps' loads at once),
+    the wide tiles' o and down take double steps; the other products, an odd count of steps,
+    single ones."""
+    monkeypatch.setattr(fp8_mlp_block, "K_UNROLL", unroll)
     monkeypatch.setattr(fp8_gemv, "multiprocessors", lambda _device: programs)
     monkeypatch.setattr(fp8_mlp_block, "multiprocessors", lambda _device: programs)
     h, q, inter = 512, 1024, 1024
@@ -97,15 +101,30 @@ def test_block_refuses_what_it_cannot_run(device: torch.device) -> None:
         block(attn[:1], residual[:1], bad, counters, fused=False)
     with pytest.raises(ValueError, match="attn must be contiguous"):
         block(attn[:1, :512].contiguous(), residual[:1], w, counters, fused=False)
+    trace = torch.zeros(32 * 4, fp8_mlp_block.TRACE_SLOTS, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="trace: an int64 tensor"):
+        block(attn[:1], residual[:1], w, counters, fused=False, trace=trace)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("h", "inter"), [(4096, 14336), (5120, 13824)])
-def test_fused_block_matches_unfused_in_a_graph(device: torch.device, h: int, inter: int) -> None:
+@pytest.mark.parametrize(
+    ("h", "inter", "unroll", "registers"),
+    [(4096, 14336, 1, 64), (4096, 14336, 2, 64), (4096, 14336, 1, None), (5120, 13824, 1, 64)],
+)
+def test_fused_block_matches_unfused_in_a_graph(
+    device: torch.device,
+    h: int,
+    inter: int,
+    unroll: int,
+    registers: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The persistent launch at Llama-3.1-8B's and a 14B-class model's shapes: eager, then five
     launches back to back in a captured graph replayed three times on new inputs (the counters
     must be zero again after every launch): the unfused kernels' numbers bit for bit, no wait
-    given up."""
+    given up. With two K steps' loads at once, and without the register cap."""
+    monkeypatch.setattr(fp8_mlp_block, "K_UNROLL", unroll)
+    monkeypatch.setattr(fp8_mlp_block, "MAX_REGISTERS", registers)
     q = h  # the chained launches feed each block's normed output to the next as its input
     w = _weights(h, q, inter, device, seed=h)
     counters = fp8_mlp_block.new_counters(device)
@@ -133,3 +152,28 @@ def test_fused_block_matches_unfused_in_a_graph(device: torch.device, h: int, in
         assert counters.tolist() == [0] * fp8_mlp_block.NUM_COUNTERS, f"replay {replay}"
         for (x, s), (ux, us) in zip(outs, expected, strict=True):
             assert torch.equal(s, us) and torch.equal(x, ux)
+
+
+@pytest.mark.gpu
+def test_fused_block_trace(device: torch.device) -> None:
+    """Traced: every program's eight timer stamps in order, the phases' last stamps after
+    the previous phase's first barrier release, and the same numbers as untraced."""
+    h, inter = 4096, 14336
+    w = _weights(h, h, inter, device, seed=3)
+    counters = fp8_mlp_block.new_counters(device)
+    attn = torch.randn(1, h, device=device).to(torch.bfloat16)
+    residual = torch.randn(1, h, device=device).to(torch.bfloat16)
+    rows = 32 * torch.cuda.get_device_properties(device).multi_processor_count
+    trace = torch.zeros(rows, fp8_mlp_block.TRACE_SLOTS, dtype=torch.int64, device=device)
+    x2, s2 = block(attn, residual, w, counters, trace=trace)
+    ux2, us2 = _unfused(attn, residual, w)
+    torch.cuda.synchronize()
+    programs = fp8_mlp_block.last_programs
+    stamps = trace[:programs]
+    assert counters.tolist() == [0] * fp8_mlp_block.NUM_COUNTERS
+    assert torch.equal(s2, us2) and torch.equal(x2, ux2)
+    assert (stamps > 0).all() and not trace[programs:].any()
+    assert (stamps[:, 1:] >= stamps[:, :-1]).all()
+    # nobody leaves a barrier before the last program reached it
+    assert stamps[:, 2].min() >= stamps[:, 1].max()
+    assert stamps[:, 5].min() >= stamps[:, 4].max()

@@ -385,21 +385,70 @@ def section_mlp_block(args: argparse.Namespace) -> None:
     )
     row["unfused_us"] = round(graph_us(lambda: unfused(next(cycle)), 32), 2)
     row["unfused_tb_s"] = round(weight_bytes / row["unfused_us"] / 1e6, 3)
-    defaults = (mb.PROGRAMS_PER_SM, mb.X_CG)
-    # (label, programs a multiprocessor at most, x through L2 only)
-    forms = [(f"{n}", n, False) for n in (2, 4, 6, 8)] + [("8_x_cg", 8, True)]
+    switches = ("PROGRAMS_PER_SM", "X_CG", "K_UNROLL", "MAX_REGISTERS")
+    defaults = {name: getattr(mb, name) for name in switches}
+    # (label, programs a multiprocessor at most, x through L2 only, K steps a load round,
+    # registers a thread at most)
+    forms: list[tuple[str, int, bool, int, int | None]] = [
+        ("default", 8, False, 1, 64),
+        ("no_register_cap", 8, False, 1, None),
+        ("unroll2", 8, False, 2, 64),
+        ("x_cg", 8, True, 1, 64),
+        ("4_a_multiprocessor", 4, False, 1, 64),
+    ]
     try:
-        for label, per_sm, x_cg in forms:
-            mb.PROGRAMS_PER_SM, mb.X_CG = per_sm, x_cg
+        for label, per_sm, x_cg, unroll, registers in forms:
+            for name, value in zip(switches, (per_sm, x_cg, unroll, registers), strict=True):
+                setattr(mb, name, value)
             us = graph_us(lambda: mb.fp8_mlp_block(attn, residual, next(cycle), counters), 32)
-            row[f"fused_{label}_us"] = round(us, 2)
-            row[f"fused_{label}_programs"] = mb.last_programs
-            row[f"fused_{label}_tb_s"] = round(weight_bytes / us / 1e6, 3)
+            row[f"{label}_us"] = round(us, 2)
+            row[f"{label}_programs"] = mb.last_programs
+            row[f"{label}_tb_s"] = round(weight_bytes / us / 1e6, 3)
+            if label in ("default", "no_register_cap"):
+                row.update(_block_timeline(mb, attn, residual, layers, counters, label))
     finally:
-        mb.PROGRAMS_PER_SM, mb.X_CG = defaults
+        for name, value in defaults.items():
+            setattr(mb, name, value)
     torch.cuda.synchronize()
     row["waits_given_up"] = int(counters[mb._C_ERROR])
     record("mlp-block", **row, **versions())
+
+
+def _block_timeline(
+    mb: Any,
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    layers: list[Any],
+    counters: torch.Tensor,
+    label: str,
+) -> dict[str, float]:
+    """The persistent block's phases in time: 32 launches in one graph, each writing every
+    program's timer stamps; for each stamp, when the last program passed it, from the first
+    program's start (us, the median over launches 8-31), and how far apart the programs
+    started."""
+    import statistics
+
+    launches = 32
+    rows = 32 * torch.cuda.get_device_properties(attn.device).multi_processor_count
+    trace = torch.zeros(launches, rows, mb.TRACE_SLOTS, dtype=torch.int64, device=attn.device)
+    mb.fp8_mlp_block(attn, residual, layers[0], counters, trace=trace[0])  # compile outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            mb.fp8_mlp_block(attn, residual, layers[i % len(layers)], counters, trace=trace[i])
+    graph.replay()
+    torch.cuda.synchronize()
+    stamps = trace[:, : mb.last_programs].double() / 1e3  # us
+    start = stamps[:, :, 0].min(dim=1).values  # [launches]
+    names = ("o", "barrier", "norm", "gate_up", "barrier2", "down", "end")
+    out: dict[str, float] = {}
+    for slot, name in enumerate(names, start=1):
+        last = stamps[:, :, slot].max(dim=1).values - start
+        out[f"{label}_t_{name}_us"] = round(statistics.median(last[8:].tolist()), 2)
+    spread = stamps[:, :, 0].max(dim=1).values - start
+    out[f"{label}_start_spread_us"] = round(statistics.median(spread[8:].tolist()), 2)
+    return out
 
 
 def _attention_shape(
