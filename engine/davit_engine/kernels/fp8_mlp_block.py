@@ -34,8 +34,9 @@ GPU: the tests read it, and the host never launches more programs than can be re
 Under Triton's interpreter (the CPU) programs run one after another, so a barrier would never
 release: there each phase is its own launch (`fused=False`), the same code without barriers.
 
-Status (bench notes, run 26): correct (bit for bit in captured graphs on an H100 and an H200;
-W2 decoded the same 256 tokens) but slower than the five kernels it replaces in its first
+Status (bench notes, run 26): correct (bit for bit in captured graphs, the first form on an
+H100 and the form after the waits' and grid's fixes on an H200; W2 decoded the same 256 tokens
+as without it) but slower than the five kernels it replaces in its first
 form: on an H100, 150 to 420 us a layer against their 75.7, so the runner's switch
 (`fused_layers.PERSISTENT_FP8_MLP`) is off. Then at 80 registers 6 programs fitted a
 multiprocessor, where the unfused products keep 8 of theirs resident. Untimed since: the
@@ -189,6 +190,27 @@ def _gemv_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _product_phase(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, scale_ptr, out_ptr, N, K, pid, num_programs, counter_ptr, error_ptr,
+    trace_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+    X_CG: tl.constexpr, UNROLL: tl.constexpr, RUN: tl.constexpr, FUSED: tl.constexpr,
+    WAIT: tl.constexpr, SLOT: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
+):  # fmt: skip
+    """A product phase (RUN: this launch runs it): this program's tiles, a stamp; FUSED: the
+    arrival at the phase's counter, and (WAIT) the wait for every program and a second stamp."""
+    if RUN:
+        _gemv_tiles(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, pid, num_programs, BLOCK_N,
+                    BLOCK_K, GATED, X_CG, UNROLL)  # fmt: skip
+    _stamp(trace_ptr, pid, SLOT, TRACE)
+    if FUSED:
+        _arrive(counter_ptr)
+        if WAIT:
+            _wait(counter_ptr, num_programs, error_ptr, MAX_SPINS)
+    if WAIT:
+        _stamp(trace_ptr, pid, SLOT + 1, TRACE)
+
+
+@triton.jit
 def _add_rms_norm_row(  # type: ignore[no-untyped-def]
     x_ptr, residual_ptr, sum_ptr, weight_ptr, out_ptr, eps,
     DIM: tl.constexpr, BLOCK_D: tl.constexpr, SQUARE_RN: tl.constexpr,
@@ -239,14 +261,9 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
     errors = counter_ptr + 5
     gdc_enter(USE_GDC)
     _stamp(trace_ptr, pid, 0, TRACE)
-    if fused or PHASE == 0:
-        _gemv_tiles(attn_ptr, o_w_ptr, o_s_ptr, o_ptr, H, Q, pid, num_programs,
-                    O_BN, O_BK, False, X_CG, O_UNROLL)  # fmt: skip
-    _stamp(trace_ptr, pid, 1, TRACE)
-    if fused:
-        _arrive(counter_ptr + 0)
-        _wait(counter_ptr + 0, num_programs, errors, MAX_SPINS)
-    _stamp(trace_ptr, pid, 2, TRACE)
+    _product_phase(attn_ptr, o_w_ptr, o_s_ptr, o_ptr, H, Q, pid, num_programs, counter_ptr + 0,
+                   errors, trace_ptr, O_BN, O_BK, False, X_CG, O_UNROLL, fused or PHASE == 0,
+                   fused, True, 1, MAX_SPINS, TRACE)  # fmt: skip
     if fused or PHASE == 1:  # noqa: SIM102 - a constexpr, then a value (Triton)
         if pid == 0:
             _add_rms_norm_row(o_ptr, residual_ptr, sum1_ptr, post_w_ptr, x1_ptr, post_eps,
@@ -257,20 +274,13 @@ def _mlp_block_kernel(  # type: ignore[no-untyped-def]
         if pid != 0:
             _wait(counter_ptr + 1, 1, errors, MAX_SPINS)
     _stamp(trace_ptr, pid, 3, TRACE)
-    if fused or PHASE == 2:
-        _gemv_tiles(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
-                    GU_BN, GU_BK, True, X_CG, GU_UNROLL)  # fmt: skip
-    _stamp(trace_ptr, pid, 4, TRACE)
-    if fused:
-        _arrive(counter_ptr + 2)
-        _wait(counter_ptr + 2, num_programs, errors, MAX_SPINS)
-    _stamp(trace_ptr, pid, 5, TRACE)
-    if fused or PHASE == 3:
-        _gemv_tiles(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
-                    D_BN, D_BK, False, X_CG, D_UNROLL)  # fmt: skip
-    _stamp(trace_ptr, pid, 6, TRACE)
-    if fused:
-        _arrive(counter_ptr + 3)
+    _product_phase(x1_ptr, gu_w_ptr, gu_s_ptr, h_ptr, INTER, H, pid, num_programs,
+                   counter_ptr + 2, errors, trace_ptr, GU_BN, GU_BK, True, X_CG, GU_UNROLL,
+                   fused or PHASE == 2, fused, True, 4, MAX_SPINS, TRACE)  # fmt: skip
+    # after down, only program 0 waits (below: it finishes the layer alone)
+    _product_phase(h_ptr, down_w_ptr, down_s_ptr, y_ptr, H, INTER, pid, num_programs,
+                   counter_ptr + 3, errors, trace_ptr, D_BN, D_BK, False, X_CG, D_UNROLL,
+                   fused or PHASE == 3, fused, False, 6, MAX_SPINS, TRACE)  # fmt: skip
     if fused or PHASE == 4:  # noqa: SIM102
         if pid == 0:
             if fused:

@@ -67,17 +67,6 @@ def _fused_mlp(module: LlamaMLP) -> Any:
     return forward
 
 
-def _attention_core(
-    module: LlamaAttention,
-    x: torch.Tensor,  # [T, hidden]
-    cos: torch.Tensor,  # [T, D] or [T, 1, D]
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> torch.Tensor:
-    return module.o_proj(_attention_heads(module, x, cos, sin, kv_cache, meta))
-
-
 def _attention_heads(
     module: LlamaAttention,
     x: torch.Tensor,  # [T, hidden]
@@ -127,7 +116,7 @@ def _fused_attention(module: LlamaAttention) -> Any | None:
             kv_cache: torch.Tensor,
             meta: AttentionMetadata,
         ) -> torch.Tensor:
-            return _attention_core(module, x, rope[0], rope[1], kv_cache, meta)
+            return module.o_proj(_attention_heads(module, x, rope[0], rope[1], kv_cache, meta))
 
         return forward_rope
     rotary = getattr(module, "rotary", None)
@@ -141,7 +130,7 @@ def _fused_attention(module: LlamaAttention) -> Any | None:
         ) -> torch.Tensor:
             cos = rotary.cos_table[positions]
             sin = rotary.sin_table[positions]
-            return _attention_core(module, x, cos, sin, kv_cache, meta)
+            return module.o_proj(_attention_heads(module, x, cos, sin, kv_cache, meta))
 
         return forward_positions
     return None
