@@ -29,7 +29,9 @@ before in the launch, so no L1 line of them can be stale (the norms read through
 `X_CG` makes the products do so too). The last program to leave the kernel sets the counters back to zero, so the next launch (the
 next step's graph replay) starts from zero without a memset. Every wait gives up after
 `MAX_SPINS` polls and counts the failure in the counters' error slot instead of hanging the
-GPU: the tests read it, and the host never launches more programs than can be resident.
+GPU: the tests read it, and the host never launches more programs than can be resident. (The
+runner does not read it: a wait that gave up would leave wrong numbers unreported, one more
+reason the runner's switch stays off until the block wins.)
 
 Under Triton's interpreter (the CPU) programs run one after another, so a barrier would never
 release: there each phase is its own launch (`fused=False`), the same code without barriers.
@@ -46,6 +48,7 @@ that show where a launch's time goes (`trace`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -494,5 +497,9 @@ last_programs = 0
 
 def supported(device: torch.device) -> bool:
     """Whether the fused launch can run on `device`: a GPU with FP8 conversions (sm_89+),
-    outside Triton's interpreter."""
+    outside Triton's interpreter, and not under an MPS limit on the threads a process may
+    use (the grid is sized from the whole GPU's multiprocessors; fewer would leave programs
+    unresident and the waits would give up)."""
+    if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        return False
     return device.type == "cuda" and not interpreted() and capability(device) >= (8, 9)
