@@ -38,6 +38,11 @@ ROTARY_HADAMARD_FROM_MEMORY = True
 # `LOADS_BEFORE_WAIT` (its comment has the figures). A switch so that a benchmark can run the
 # engine each way.
 ROTARY_LOADS_BEFORE_WAIT = True
+# Whether the rotary kernel takes two programs a token, the queries in one and the keys and
+# values (and the cache write) in the other, instead of one doing both in turn: at decode's
+# few tokens a program's chain is the kernel's time (W2, FP8 cache: about 8 us a launch on an
+# H100, run 26's profile). The same numbers either way. Untimed: a switch for the bench.
+ROTARY_SPLIT_QK = False
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 
@@ -292,8 +297,11 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,
     H_FROM_MEMORY: tl.constexpr,
     EARLY: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
+    # the other (= 1); else one program does both.
     # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
     # the wait for the kernel before (none of them is its output; pdl.py), so only q, k and v
     # are loaded after it.
@@ -307,12 +315,35 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
     s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
-    if WRITE_KV:  # the token's cache slot (negative: padding, skipped)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if EARLY:
         gdc_enter(USE_GDC)
+    # this program's parts: [first, last) of (queries, keys and values)
+    first = tl.program_id(1) if SPLIT_QK else 0
+    last = first + 1 if SPLIT_QK else 2
+    if first == 0:
+        _rope_queries(
+            q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+            c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
+        )  # fmt: skip
+    if last == 2:
+        _rope_keys_values(
+            k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, scale_ptr, token, slot,
+            stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
+            c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
+            DOT_PRECISION, dtype,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rope_queries(  # type: ignore[no-untyped-def]
+    q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+    c1, c2, s1, s2, h, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """The token's queries: normed (HAS_NORM), rotary, and (ROTATE_Q) times H."""
     q1, q2 = _norm_rope_heads(
         q_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
@@ -326,6 +357,18 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
         tl.store(q_dst + q_heads * 2 * HALF + q_dims, q.to(dtype), mask=q_heads < num_q_heads)
     else:
         _store_heads(q_dst, 2 * HALF, q1, q2, num_q_heads, HALF, BLOCK_HQ)
+
+
+@triton.jit
+def _rope_keys_values(  # type: ignore[no-untyped-def]
+    k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, scale_ptr, token, slot,
+    stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
+    c1, c2, s1, s2, h, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """The token's keys: normed (HAS_NORM) and rotary, then with its values into the paged
+    cache at `slot` (WRITE_KV; negative: padding, skipped), or returned."""
     k1, k2 = _norm_rope_heads(
         k_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
@@ -407,7 +450,7 @@ def qk_norm_rope(
     h_matrix = None
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
-    _qk_norm_rope_kernel[(num_tokens,)](
+    _qk_norm_rope_kernel[(num_tokens, 2 if ROTARY_SPLIT_QK else 1)](
         q,
         k,
         v if v is not None else k,
@@ -444,6 +487,7 @@ def qk_norm_rope(
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         H_FROM_MEMORY=h_matrix is not None,
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
+        SPLIT_QK=ROTARY_SPLIT_QK,
         num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),

@@ -310,10 +310,11 @@ def _early_loads_case(
     dtype: torch.dtype,
     cache_dtype: torch.dtype | None,
     shape: tuple[int, int, int, int],
+    switch: str = "ROTARY_LOADS_BEFORE_WAIT",
 ) -> None:
-    """The rotary kernel with its cos/sin rows, slots and Hadamard tile read before the wait
-    (`ROTARY_LOADS_BEFORE_WAIT`, the default) against after it: the same queries, keys and
-    cache bytes (`cache_dtype` None: keys returned, no cache)."""
+    """The rotary kernel with a boolean launch switch of layer_ops off and on: the same
+    queries, keys and cache bytes (`cache_dtype` None: keys returned, no cache). The default
+    switch: cos/sin rows, slots and Hadamard tile read before the wait or after it."""
     torch.manual_seed(13)
     _, _, kv_heads, dim = shape
     cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
@@ -332,36 +333,51 @@ def _early_loads_case(
         )  # fmt: skip
         return q_out, cache.view(torch.uint8) if fp8 else cache
 
-    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", False)
+    monkeypatch.setattr(layer_ops, switch, False)
     before = run()
-    monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", True)
+    monkeypatch.setattr(layer_ops, switch, True)
     after = run()
     assert bool((before[1] != 0).any())
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
 
 
+# The rotary kernel's launch switches that must not change a number: its loads before the
+# wait for the kernel before, and two programs a token (queries | keys and values).
+ROTARY_EQUAL_SWITCHES = ["ROTARY_LOADS_BEFORE_WAIT", "ROTARY_SPLIT_QK"]
+
+
+@pytest.mark.parametrize("switch", ROTARY_EQUAL_SWITCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cache_dtype", [None, "model", torch.float8_e4m3fn], ids=str)
-def test_rotary_loads_before_the_wait_change_nothing(
+def test_rotary_equal_switches_change_nothing(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
     cache_dtype: torch.dtype | str | None,
+    switch: str,
 ) -> None:
     cache = dtype if cache_dtype == "model" else cache_dtype
     assert cache is None or isinstance(cache, torch.dtype)
-    _early_loads_case(device, monkeypatch, dtype, cache, (5, 4, 2, 16))
+    _early_loads_case(device, monkeypatch, dtype, cache, (5, 4, 2, 16), switch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ROTARY_EQUAL_SWITCHES)
 @pytest.mark.parametrize("tokens", [1, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-def test_rotary_loads_before_the_wait_real_shapes(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int, cache_dtype: torch.dtype
+def test_rotary_equal_switches_real_shapes(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    tokens: int,
+    cache_dtype: torch.dtype,
+    switch: str,
 ) -> None:
-    """The same at W2's one token and W1's 256, Qwen3-0.6B heads, bf16."""
-    _early_loads_case(device, monkeypatch, torch.bfloat16, cache_dtype, (tokens, 16, 8, 128))
+    """The same at W2's one token (Llama-3.1-8B heads) and W1's 256 (Qwen3-0.6B heads)."""
+    heads = (32, 8) if tokens == 1 else (16, 8)
+    _early_loads_case(
+        device, monkeypatch, torch.bfloat16, cache_dtype, (tokens, *heads, 128), switch
+    )
 
 
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(

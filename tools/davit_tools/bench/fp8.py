@@ -766,6 +766,21 @@ VARIANTS = {
         )
         for suffix, per_sm in (("", 0), ("-2", 2), ("-4", 4))
     },
+    # the rotary kernel in two programs a token, queries in one and keys and values in the
+    # other (layer_ops.ROTARY_SPLIT_QK)
+    **{
+        f"{base}-rotary-split": Variant(
+            f"{base}-rotary-split",
+            quantization,
+            kv,
+            (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", True),),
+        )
+        for base, quantization, kv in (
+            ("bf16", None, "auto"),
+            ("fp8-kv", None, "fp8"),
+            ("fp8-both", "fp8", "fp8"),
+        )
+    },
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
