@@ -326,10 +326,13 @@ def tile_configs(w: MlpBlockWeights, device: torch.device) -> tuple[GemvConfig, 
     )
 
 
-def check_shapes(w: MlpBlockWeights, device: torch.device) -> str | None:
-    """Why these tensors cannot run the block on `device` (None: they can). The tiles are
-    whole: every K a multiple of its tile's K step and every output count of its rows; the
-    unfused products run unsplit there (else their sums' order differs)."""
+def check_shapes(
+    w: MlpBlockWeights, device: torch.device, configs: tuple[GemvConfig, ...] | None = None
+) -> str | None:
+    """Why these tensors cannot run the block on `device` (None: they can). The tiles
+    (`configs`, else `tile_configs`) are whole: every K a multiple of its tile's K step and
+    every output count of its rows; the unfused products run unsplit there (else their sums'
+    order differs); one warp count serves every phase."""
     h, q = w.o_weight.shape
     two_i, h_gu = w.gate_up_weight.shape
     h_down, inter = w.down_weight.shape
@@ -341,9 +344,12 @@ def check_shapes(w: MlpBlockWeights, device: torch.device) -> str | None:
             f"shapes do not chain: o {tuple(w.o_weight.shape)}, gate_up {(two_i, h_gu)}, "
             f"down {(h_down, inter)}"
         )
+    configs = configs or tile_configs(w, device)
+    if len({config.num_warps for config in configs}) != 1:
+        return "the phases' tiles need one warp count"
     for name, config, (n, k) in zip(
         ("o", "gate_up", "down"),
-        tile_configs(w, device),
+        configs,
         ((h, q), (two_i, h), (h, inter)),
         strict=True,
     ):
@@ -410,7 +416,8 @@ def fp8_mlp_block(
     if attn.shape[0] != 1 or residual.shape[0] != 1:
         raise ValueError(f"one token only (got attn {tuple(attn.shape)}, residual "
                          f"{tuple(residual.shape)})")  # fmt: skip
-    problem = check_shapes(w, attn.device)
+    o_cfg, gu_cfg, d_cfg = configs = tile_configs(w, attn.device)
+    problem = check_shapes(w, attn.device, configs)
     if problem is not None:
         raise ValueError(f"fp8_mlp_block: {problem}")
     h, q = w.o_weight.shape
@@ -434,9 +441,6 @@ def fp8_mlp_block(
     hidden_act = scratch[4 * h :]
     sum2 = torch.empty(1, h, dtype=dtype, device=dev)
     x2 = torch.empty(1, h, dtype=dtype, device=dev)
-    o_cfg, gu_cfg, d_cfg = tile_configs(w, dev)
-    if len({o_cfg.num_warps, gu_cfg.num_warps, d_cfg.num_warps}) != 1:
-        raise ValueError("fp8_mlp_block: the phases' tiles need one warp count")
     square_rn = dev.type == "cuda" and not interpreted() and _mul_rn is not None
     args = (attn, residual, w.o_weight, w.o_scale, w.post_norm, w.gate_up_weight,
             w.gate_up_scale, w.down_weight, w.down_scale, w.next_norm, o, sum1, x1,

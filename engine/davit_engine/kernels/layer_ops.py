@@ -41,7 +41,7 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # Whether the rotary kernel takes two programs a token, the queries in one and the keys and
 # values (and the cache write) in the other, instead of one doing both in turn: at decode's
 # few tokens a program's chain is the kernel's time (W2, FP8 cache: about 8 us a launch on an
-# H100, run 26's profile). The same numbers either way. Untimed: a switch for the bench.
+# H100, run 25's profile). The same numbers either way. Untimed: a switch for the bench.
 ROTARY_SPLIT_QK = False
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 

@@ -304,8 +304,15 @@ def _activation_timings(
     }
 
 
-def section_gemm(args: argparse.Namespace) -> None:
+def _per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` in e4m3 with one float32 scale per row (its largest value at FP8's largest)."""
     from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
+
+    scale = w.float().abs().amax(dim=1) / FP8_MAX
+    return quantize_fp8(w, scale[:, None]), scale
+
+
+def section_gemm(args: argparse.Namespace) -> None:
 
     extra = _parse_configs(args.gemm_configs)
     gemv = _parse_gemv_configs(args.gemv_configs)
@@ -314,8 +321,7 @@ def section_gemm(args: argparse.Namespace) -> None:
         bf16 = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
         ]
-        scales = [(w.float().abs().amax(dim=1) / FP8_MAX) for w in bf16]
-        fp8 = [quantize_fp8(w, s[:, None]) for w, s in zip(bf16, scales, strict=True)]
+        fp8, scales = (list(t) for t in zip(*(_per_channel_fp8(w) for w in bf16), strict=True))
         for rows in (int(r) for r in args.gemm_rows.split(",")):
             gemm_row = _gemm_rows(name, bf16, fp8, scales, rows, extra, gemv)
             record("gemm", **gemm_row)
@@ -335,7 +341,6 @@ def section_mlp_block(args: argparse.Namespace) -> None:
     from davit_engine.kernels import fp8_mlp_block as mb
     from davit_engine.kernels.fp8_gemv import fp8_gemv
     from davit_engine.kernels.layer_ops import add_rms_norm
-    from davit_engine.layers.fp8 import FP8_MAX, quantize_fp8
     from davit_tools.bench.timing import graph_us
 
     dev = torch.device("cuda")
@@ -343,9 +348,7 @@ def section_mlp_block(args: argparse.Namespace) -> None:
     copies = 6  # 6 x 193 MB of FP8 weights
 
     def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        scale = w.float().abs().amax(dim=1) / FP8_MAX
-        return quantize_fp8(w, scale[:, None]), scale
+        return _per_channel_fp8(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
 
     def norm() -> torch.Tensor:
         return (1 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
