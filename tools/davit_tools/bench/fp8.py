@@ -109,6 +109,8 @@ TEST_PATHS = (
     "tests/engine/kernels/test_kv_cache.py",
     "tests/engine/kernels/test_paged_attention.py",
     "tests/engine/kernels/test_layer_ops.py",
+    "tests/engine/kernels/test_fp8_mlp_block.py",
+    "tests/engine/kernels/test_l2_prefetch.py",
     "tests/engine/quant/test_fp8_linear.py",
     "tests/engine/quant/test_fp8_kv_engine.py",
     "tests/engine/runner/v2/test_fused_layers.py",
