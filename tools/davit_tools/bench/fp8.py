@@ -456,69 +456,6 @@ def _block_timeline(
     return out
 
 
-def section_l2_prefetch(args: argparse.Namespace) -> None:
-    """Whether weights asked into L2 (kernels/l2_prefetch.py) make a one-row product faster:
-    per layer of 32 in one graph, the o product and the gated gate/up product at Llama-3.1-8B's
-    shapes after an idle wait of about 20 us (a spinning kernel, standing for attention), the
-    layers' weights cycled beyond L2; without a prefetch, and with one of o's weight (and X MB
-    of gate/up's first rows) launched before the wait, in each form. Same numbers either way
-    (checked once)."""
-    import itertools
-
-    from davit_engine.kernels import l2_prefetch as lp
-    from davit_engine.kernels.fp8_gemv import fp8_gemv
-    from davit_tools.bench.timing import graph_us
-
-    dev = torch.device("cuda")
-    h, inter = W2_SHAPES["o"][0], W2_SHAPES["down"][1]
-    copies = 6
-    layers = [
-        (*_per_channel_fp8(torch.randn(h, h, device=dev, dtype=torch.bfloat16) * 0.02),
-         *_per_channel_fp8(torch.randn(2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02))
-        for _ in range(copies)
-    ]  # fmt: skip
-    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
-    spin_cycles = 40_000  # about 20 us at the H100's and H200's 1.98 GHz
-
-    def ranges(layer: Any, mb: float) -> list[torch.Tensor]:
-        o_w, _, gu_w, _ = layer
-        half = gu_w.numel() // 2
-        extra = max(0, int(mb * 2**20) - o_w.numel()) // 2
-        out = [lp.byte_range(o_w, 0, o_w.numel())]
-        if extra:
-            out += [lp.byte_range(gu_w, 0, extra), lp.byte_range(gu_w, half, extra)]
-        return out
-
-    def layer_fn(mode: str | None, mb: float) -> Callable[[], Any]:
-        cycle = itertools.cycle(layers)
-
-        def run() -> Any:
-            layer = next(cycle)
-            if mode is not None:
-                lp.l2_prefetch(ranges(layer, mb), mode)
-            torch.cuda._sleep(spin_cycles)
-            o_w, o_s, gu_w, gu_s = layer
-            fp8_gemv(x, o_w, o_s)
-            return fp8_gemv(x, gu_w, gu_s, gated=True)
-
-        return run
-
-    row: dict[str, Any] = {"spin_us": 20, "o_mb": round(h * h / 2**20, 1),
-                           "gate_up_mb": round(2 * inter * h / 2**20, 1), "copies": copies}  # fmt: skip
-    plain = layer_fn(None, 0)()
-    with_prefetch = layer_fn("lines", 32)()
-    torch.cuda.synchronize()
-    row["bit_equal"] = bool(torch.equal(plain, with_prefetch))
-    row["spin_alone_us"] = round(graph_us(lambda: torch.cuda._sleep(spin_cycles), 32), 2)
-    row["none_us"] = round(graph_us(layer_fn(None, 0), 32), 2)
-    for mode in lp.MODES:
-        for mb in (16, 32, 44):
-            if mode != "lines" and mb != 32:
-                continue
-            row[f"{mode}_{mb}mb_us"] = round(graph_us(layer_fn(mode, mb), 32), 2)
-    record("l2-prefetch", **row, **versions())
-
-
 def _attention_shape(
     label: str, batch: int, ctx: int, hq: int, hkv: int, device: str = "cuda",
     splits: int | None = None, sweep_splits: tuple[int, ...] = (),
@@ -847,34 +784,6 @@ VARIANTS = {
             ("bf16", None, "auto"),
             ("fp8-kv", None, "fp8"),
             ("fp8-both", "fp8", "fp8"),
-        )
-    },
-    # MB of the o and gate/up projections' FP8 weights asked into L2 during attention
-    # (fused_layers.L2_PREFETCH_MB, kernels/l2_prefetch.py), after the rotary kernel (or after
-    # the q/k/v product: "-qkv"), as single lines (or "-bulk": the tensor memory
-    # accelerator's bulk prefetch; "-last": lines marked to be evicted last)
-    **{
-        f"fp8-both-l2-{mb}{suffix}": Variant(
-            f"fp8-both-l2-{mb}{suffix}",
-            "fp8",
-            "fp8",
-            (("davit_engine.runner.v2.fused_layers", "L2_PREFETCH_MB", float(mb)),)
-            + ((("davit_engine.runner.v2.fused_layers", "L2_PREFETCH_MODE", mode),) if mode else ())
-            + (
-                (("davit_engine.runner.v2.fused_layers", "L2_PREFETCH_AFTER", after),)
-                if after
-                else ()
-            ),
-        )
-        for mb, suffix, mode, after in (
-            # (MB, suffix, form where not the default lines, placement where not after rotary)
-            (16, "", None, None),
-            (24, "", None, None),
-            (32, "", None, None),
-            (44, "", None, None),
-            (32, "-bulk", "bulk", None),
-            (32, "-last", "lines-last", None),
-            (32, "-qkv", None, "qkv"),
         )
     },
     # the plain one-row products with their first tile of W loaded before the wait for the
@@ -1248,7 +1157,6 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1-trajectory": section_w1_trajectory,
     "w2-profile": section_w2_profile,
     "mlp-block": section_mlp_block,
-    "l2-prefetch": section_l2_prefetch,
     "memory": section_memory,
     "quality": section_quality,
 }

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from davit_engine.kernels import fp8_gemv, fp8_mlp_block, l2_prefetch
+from davit_engine.kernels import fp8_mlp_block
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
@@ -74,15 +74,10 @@ def _attention_heads(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-    prefetch: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, Hq * D], the o projection's input
-    """`prefetch`: weight byte ranges asked into L2 after the q/k/v product or after the
-    rotary kernel (`L2_PREFETCH_AFTER`)."""
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
     q, k, v = module.qkv_proj(x).split(module.split_sizes, dim=-1)
-    if prefetch and L2_PREFETCH_AFTER == "qkv":
-        l2_prefetch.l2_prefetch(prefetch, L2_PREFETCH_MODE)
     q = q.view(num_tokens, heads, dim)  # [T, Hq, D]
     k = k.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
     v = v.view(num_tokens, kv_heads, dim)
@@ -102,15 +97,11 @@ def _attention_heads(
             q, k, cos, sin, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
             slot_mapping=meta.slot_mapping, kv_scale=kv_scale, rotate_queries=rotate_q,
         )  # fmt: skip
-        if prefetch and L2_PREFETCH_AFTER == "rotary":
-            l2_prefetch.l2_prefetch(prefetch, L2_PREFETCH_MODE)
         out = backend.forward(q, kv_cache, meta, module.scale, kv_scale, queries_rotated=rotate_q)
     else:
         q, k_rot = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
         assert k_rot is not None
         backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
-        if prefetch and L2_PREFETCH_AFTER == "rotary":
-            l2_prefetch.l2_prefetch(prefetch, L2_PREFETCH_MODE)
         out = backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
     return out.reshape(num_tokens, heads * dim)
 
@@ -203,71 +194,12 @@ class _MlpBlocks:
 PERSISTENT_FP8_MLP = False
 
 
-# Megabytes of the o projection's and then the gate/up projection's FP8 weights asked into L2
-# while a decode layer at up to `fp8_gemv.MAX_ROWS` tokens runs attention
-# (kernels/l2_prefetch.py; 0: none), in which form (`l2_prefetch.MODES`) and after which
-# kernel ("rotary": memory idles through attention, the merge and the o product's start;
-# "qkv": from the q/k/v product's end). Switches so that a benchmark can time them.
-L2_PREFETCH_MB = 0.0
-L2_PREFETCH_MODE = "lines"
-L2_PREFETCH_AFTER = "rotary"
-
-
-def prefetch_ranges(layer: LlamaDecoderLayer, nbytes: int) -> list[torch.Tensor]:
-    """Up to `nbytes` of the weights a one-token layer reads after attention, in the order
-    its products read them: the o projection's whole weight, then the first rows of gate/up's
-    (in its gated decode product the first programs read the first rows of both the gate half
-    and the up half, so the rest is split between them). Empty where o or gate/up is not an
-    FP8 projection."""
-    o, gate_up = layer.self_attn.o_proj, layer.mlp.gate_up_proj
-    if nbytes <= 0 or not isinstance(o, Fp8Linear) or not isinstance(gate_up, Fp8Linear):
-        return []
-    ranges = [l2_prefetch.byte_range(o.weight, 0, nbytes)]
-    left = nbytes - ranges[0].numel()
-    if left > 0:
-        total = gate_up.weight.numel() * gate_up.weight.element_size()
-        if FUSE_FP8_GATE_ACTIVATION:
-            half = total // 2
-            each = min(left // 2, half)
-            ranges += [
-                l2_prefetch.byte_range(gate_up.weight, 0, each),
-                l2_prefetch.byte_range(gate_up.weight, half, each),
-            ]
-        else:
-            ranges.append(l2_prefetch.byte_range(gate_up.weight, 0, left))
-    return [r for r in ranges if r.numel() > 0]
-
-
-class _Prefetches:
-    """Per layer, the byte ranges `l2_prefetch` asks for, made once for the switches' values
-    (views of the weights: no copy)."""
-
-    def __init__(self) -> None:
-        self.key: tuple[float, bool] | None = None
-        self.ranges: list[list[torch.Tensor]] = []
-
-    def get(
-        self, layers: list[LlamaDecoderLayer], hidden: torch.Tensor
-    ) -> list[list[torch.Tensor]] | None:
-        if L2_PREFETCH_MB <= 0 or not 0 < hidden.shape[0] <= fp8_gemv.MAX_ROWS:
-            return None
-        if not l2_prefetch.supported(hidden.device, L2_PREFETCH_MODE):
-            return None
-        key = (L2_PREFETCH_MB, FUSE_FP8_GATE_ACTIVATION)
-        if key != self.key:
-            nbytes = int(L2_PREFETCH_MB * 2**20)
-            self.ranges = [prefetch_ranges(layer, nbytes) for layer in layers]
-            self.key = key
-        return self.ranges
-
-
 def _fused_model(model: LlamaForCausalLM) -> Any:
     """The model's forward with every residual add fused into the RMSNorm after it."""
     layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
     norms_after_mlp: list[RMSNorm] = [layer.input_layernorm for layer in layers[1:]]
     norms_after_mlp.append(model.model.norm)
     mlp_blocks = _MlpBlocks()
-    prefetches = _Prefetches()
 
     def forward(
         input_ids: torch.Tensor,
@@ -286,23 +218,15 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
         first = layers[0].input_layernorm
         x = rms_norm(residual, first.weight, first.eps)
         blocks = mlp_blocks.get(layers, norms_after_mlp, residual)
-        ranges = prefetches.get(layers, residual)
         for i, (layer, kv_cache, next_norm) in enumerate(
             zip(layers, kv_caches, norms_after_mlp, strict=True)
         ):
             block = blocks[i] if blocks is not None else None
-            prefetch = ranges[i] if ranges is not None else None
-            if block is not None or prefetch:
-                attention = layer.self_attn
-                heads = _attention_heads(
-                    attention, x, rope[0], rope[1], kv_cache, meta, prefetch=prefetch
-                )
-                if block is not None:
-                    x, residual = fp8_mlp_block.fp8_mlp_block(heads, residual, *block)
-                    continue
-                attn = attention.o_proj(heads)
-            else:
-                attn = layer.self_attn(rope, x, kv_cache, meta)
+            if block is not None:
+                heads = _attention_heads(layer.self_attn, x, rope[0], rope[1], kv_cache, meta)
+                x, residual = fp8_mlp_block.fp8_mlp_block(heads, residual, *block)
+                continue
+            attn = layer.self_attn(rope, x, kv_cache, meta)
             post = layer.post_attention_layernorm
             x, residual = add_rms_norm(attn, residual, post.weight, post.eps)
             x, residual = add_rms_norm(layer.mlp(x), residual, next_norm.weight, next_norm.eps)

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import cast
-
 import pytest
 import torch
 
@@ -9,7 +7,6 @@ from davit_engine.config import EngineConfig
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from davit_engine.loader import load_model
-from davit_engine.models.llama import LlamaDecoderLayer
 from davit_engine.runner.v2 import fused_layers
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 
@@ -190,80 +187,3 @@ def test_fused_layers_with_fp8_projections(
             outs.append(net.compute_logits(hidden).float())
     tol = 3e-2 if dtype == "bfloat16" else 1e-4
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
-
-
-def test_prefetch_ranges_follow_the_products_read_order(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The L2 prefetch of a one-token layer asks for the o projection's weight first, then the
-    first rows of gate/up's gate half and up half in equal parts (the gated product's first
-    programs read both), never past a half; with SiLU x up as its own kernel, gate/up's first
-    bytes; nothing for projections that are not FP8."""
-    config = EngineConfig(model="random:qwen3-tiny", dtype="float32", device=device.type,
-                          quantization="fp8")  # fmt: skip
-    layer = cast(LlamaDecoderLayer, load_model(config, device).model.model.layers[0])
-    o = layer.self_attn.o_proj.weight
-    gate_up = layer.mlp.gate_up_proj.weight
-    o_bytes, half = o.numel(), gate_up.numel() // 2
-    assert o_bytes % 16 == 0 and half % 16 == 0
-    short = fused_layers.prefetch_ranges(layer, o_bytes // 2)
-    assert [(r.data_ptr(), r.numel()) for r in short] == [(o.data_ptr(), o_bytes // 2)]
-    more = fused_layers.prefetch_ranges(layer, o_bytes + 2 * 4096)
-    assert [(r.data_ptr(), r.numel()) for r in more] == [
-        (o.data_ptr(), o_bytes),
-        (gate_up.data_ptr(), 4096),
-        (gate_up.data_ptr() + half, 4096),
-    ]
-    everything = fused_layers.prefetch_ranges(layer, 1 << 40)
-    assert [r.numel() for r in everything] == [o_bytes, half, half]
-    monkeypatch.setattr(fused_layers, "FUSE_FP8_GATE_ACTIVATION", False)
-    separate = fused_layers.prefetch_ranges(layer, o_bytes + 4096)
-    assert [(r.data_ptr(), r.numel()) for r in separate][1:] == [(gate_up.data_ptr(), 4096)]
-    assert fused_layers.prefetch_ranges(layer, 0) == []
-    plain = load_model(EngineConfig(model="random:qwen3-tiny", dtype="float32",
-                                    device=device.type), device).model  # fmt: skip
-    plain_layer = cast(LlamaDecoderLayer, plain.model.layers[0])
-    assert fused_layers.prefetch_ranges(plain_layer, 1 << 20) == []
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("mode", "after"), [("lines", "rotary"), ("bulk", "rotary"),
-                                             ("lines-last", "qkv")])  # fmt: skip
-def test_l2_prefetch_keeps_one_token_logits(
-    device: torch.device, mode: str, after: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A one-token step of a bf16 model with FP8 projections and the L2 prefetch on (after the
-    rotary kernel or after the q/k/v product, every form) gives the logits of the same step
-    without it, bit for bit, eager and replayed from a captured graph."""
-    config = EngineConfig(model="random:qwen3-tiny", dtype="bfloat16", device=device.type,
-                          quantization="fp8")  # fmt: skip
-    net = load_model(config, device).model
-    install_fused_layers(net)
-    c = net.config
-    page, num_blocks = 4, 4
-    caches = [
-        torch.zeros(2, num_blocks, page, c.num_kv_heads, c.head_dim, device=device,
-                    dtype=torch.bfloat16)
-        for _ in range(c.num_layers)
-    ]  # fmt: skip
-    meta = _prefill_meta(device, 1, num_blocks, TritonPagedAttention())
-    ids = torch.tensor([17], device=device)
-    positions = torch.zeros(1, dtype=torch.long, device=device)
-
-    def step() -> torch.Tensor:
-        with torch.inference_mode():
-            return net.compute_logits(net(ids, positions, caches, meta))
-
-    expected = step()
-    monkeypatch.setattr(fused_layers, "L2_PREFETCH_MB", 1.0)
-    monkeypatch.setattr(fused_layers, "L2_PREFETCH_MODE", mode)
-    monkeypatch.setattr(fused_layers, "L2_PREFETCH_AFTER", after)
-    assert torch.equal(step(), expected)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
-        out = net.compute_logits(net(ids, positions, caches, meta))
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
