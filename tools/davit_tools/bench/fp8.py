@@ -110,7 +110,6 @@ TEST_PATHS = (
     "tests/engine/kernels/test_paged_attention.py",
     "tests/engine/kernels/test_layer_ops.py",
     "tests/engine/kernels/test_fp8_mlp_block.py",
-    "tests/engine/kernels/test_l2_prefetch.py",
     "tests/engine/quant/test_fp8_linear.py",
     "tests/engine/quant/test_fp8_kv_engine.py",
     "tests/engine/runner/v2/test_fused_layers.py",
@@ -771,14 +770,14 @@ VARIANTS = {
         )
         for suffix, per_sm in (("", 0), ("-2", 2), ("-4", 4))
     },
-    # the rotary kernel in two programs a token, queries in one and keys and values in the
-    # other (layer_ops.ROTARY_SPLIT_QK)
+    # the rotary kernel in one program a token, queries then keys and values, as before run 27
+    # (layer_ops.ROTARY_SPLIT_QK: two programs a token by default)
     **{
-        f"{base}-rotary-split": Variant(
-            f"{base}-rotary-split",
+        f"{base}-rotary-one": Variant(
+            f"{base}-rotary-one",
             quantization,
             kv,
-            (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", True),),
+            (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", False),),
         )
         for base, quantization, kv in (
             ("bf16", None, "auto"),
