@@ -27,46 +27,35 @@ COPIES = 6
 
 
 @triton.jit
-def _tiled(  # type: ignore[no-untyped-def]
+def _probe_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, s_ptr, out_ptr, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    steps = K // BLOCK_K
-    base = w_ptr + pid.to(tl.int64) * steps * (BLOCK_N * BLOCK_K)
-    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    ks = tl.arange(0, BLOCK_K)
-    gdc_enter(USE_GDC)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for s in range(steps):
-        w = tl.load(base + s * (BLOCK_N * BLOCK_K) + offs)
-        x = tl.load(x_ptr + s * BLOCK_K + ks + tl.arange(0, BLOCK_N)[:, None] * 0)
-        acc += w.to(tl.float32) * x.to(tl.float32)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = tl.sum(acc, 1) * tl.load(s_ptr + rows)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _unrolled(  # type: ignore[no-untyped-def]
-    x_ptr, w_ptr, s_ptr, out_ptr, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
-):  # fmt: skip
+    """TILED: W stored by `tile`, one step a round; else W row-major, two steps a round."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     ks = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (rows * 0)[:, None]
     gdc_enter(USE_GDC)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, 2 * BLOCK_K):
-        kk = k0 + ks
-        w0 = tl.load(w_rows + kk[None, :])
-        w1 = tl.load(w_rows + (kk + BLOCK_K)[None, :])
-        x0 = tl.load(x_row + kk[None, :])
-        x1 = tl.load(x_row + (kk + BLOCK_K)[None, :])
-        acc += w0.to(tl.float32) * x0.to(tl.float32)
-        acc += w1.to(tl.float32) * x1.to(tl.float32)
+    if TILED:
+        steps = K // BLOCK_K
+        base = w_ptr + pid.to(tl.int64) * steps * (BLOCK_N * BLOCK_K)
+        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + ks[None, :]
+        for s in range(steps):
+            w = tl.load(base + s * (BLOCK_N * BLOCK_K) + offs)
+            x = tl.load(x_row + (s * BLOCK_K + ks)[None, :])
+            acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+        for k0 in range(0, K, 2 * BLOCK_K):
+            kk = k0 + ks
+            w0 = tl.load(w_rows + kk[None, :])
+            w1 = tl.load(w_rows + (kk + BLOCK_K)[None, :])
+            x0 = tl.load(x_row + kk[None, :])
+            x1 = tl.load(x_row + (kk + BLOCK_K)[None, :])
+            acc += w0.to(tl.float32) * x0.to(tl.float32)
+            acc += w1.to(tl.float32) * x1.to(tl.float32)
     out = tl.sum(acc, 1) * tl.load(s_ptr + rows)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
 
@@ -97,8 +86,8 @@ def probe_shape(name: str, n: int, k: int, dev: torch.device) -> dict[str, objec
 
     def tiled_fn() -> torch.Tensor:
         i = nxt()
-        _tiled[(n // bn,)](x, tiled[i], ss[i], y, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                           **pdl_launch(dev))  # fmt: skip
+        _probe_kernel[(n // bn,)](x, tiled[i], ss[i], y, k, BLOCK_N=bn, BLOCK_K=bk, TILED=True,
+                                  num_warps=4, **pdl_launch(dev))  # fmt: skip
         return y
 
     def unroll_fn(regs: int | None) -> Callable[[], torch.Tensor]:
@@ -106,8 +95,9 @@ def probe_shape(name: str, n: int, k: int, dev: torch.device) -> dict[str, objec
 
         def run() -> torch.Tensor:
             i = nxt()
-            _unrolled[(n // bn,)](x, ws[i], ss[i], y, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                                  **limits, **pdl_launch(dev))  # fmt: skip
+            _probe_kernel[(n // bn,)](x, ws[i], ss[i], y, k, BLOCK_N=bn, BLOCK_K=bk,
+                                      TILED=False, num_warps=4, **limits,
+                                      **pdl_launch(dev))  # fmt: skip
             return y
 
         return run
