@@ -36,14 +36,17 @@ reason the runner's switch stays off until the block wins.)
 Under Triton's interpreter (the CPU) programs run one after another, so a barrier would never
 release: there each phase is its own launch (`fused=False`), the same code without barriers.
 
-Status (bench notes, run 26): correct (bit for bit in captured graphs, the first form on an
-H100 and the form after the waits' and grid's fixes on an H200; W2 decoded the same 256 tokens
-as without it) but slower than the five kernels it replaces in its first
-form: on an H100, 150 to 420 us a layer against their 75.7, so the runner's switch
-(`fused_layers.PERSISTENT_FP8_MLP`) is off. Then at 80 registers 6 programs fitted a
-multiprocessor, where the unfused products keep 8 of theirs resident. Untimed since: the
-register cap (`MAX_REGISTERS`), two K steps' loads at once (`K_UNROLL`), and the timer stamps
-that show where a launch's time goes (`trace`).
+Status (bench notes, runs 26 and 27): correct (bit for bit in captured graphs on an H100 and
+an H200; W2 decoded the same 256 tokens as without it) and slower than the five kernels it
+replaces, so the runner's switch (`fused_layers.PERSISTENT_FP8_MLP`) is off. On an H100 the
+best form (`MAX_REGISTERS` 64: 1,056 programs) took 90.35 us a layer against their 75.66, and W2
+ran at 246.2 decode tok/s against 277.2. Its timeline (`trace`) shows where: gate/up and down
+stream slower inside the block than as kernels (46.5 and 24.0 us against 42.6 and 22.4), and the
+barriers and the norm take 8.5 us a layer. Two K steps' loads at once (`K_UNROLL`: 93.21 us),
+x through L2 only (`X_CG`: 133.88) and 4 programs a multiprocessor (96.69) were slower. Without
+the register cap (80 registers, 792 programs by the occupancy query) one program started 1.7 s
+after the first and waits gave up: that grid was not all resident at once, for a reason not
+known.
 """
 
 from __future__ import annotations
@@ -80,14 +83,15 @@ PROGRAMS_PER_SM = 8
 MAX_SPINS = 1 << 22
 # Whether the products read their input through L2 only (`.cg`), and whether they issue two K
 # steps' loads at once where K allows (`_gemv_tiles`' UNROLL). Switches so that a benchmark can
-# time each; the second is untimed.
+# time each; both were slower on an H100 (run 27: 133.88 and 93.21 us a layer against 90.35).
 X_CG = False
 K_UNROLL = 1
 # Registers a thread at most (None: the compiler's choice). Compiled for sm_90 (Triton 3.6) the
 # kernel takes 80, so 6 programs of 4 warps fit a multiprocessor: 792 on 132, which leaves o's
 # and down's 1,024 tiles at two for some programs. At 64, 8 fit (1,056 programs: one tile of o
 # and of down each, at most four of gate/up's 3,584) and 88 bytes spill, in the tile loops'
-# set-up and the norms, not in the K loops. Untimed: a switch for the bench.
+# set-up and the norms, not in the K loops. On an H100 (run 27) 90.35 us a layer at 64 against
+# 107.99 uncapped. A switch for the bench.
 MAX_REGISTERS: int | None = 64
 # Timer stamps a program writes when traced: after its wait for the kernel before, after the o
 # tiles, after the barrier that follows, after the norm's flag (program 0: after the norm),

@@ -414,7 +414,9 @@ def qk_norm_rope(
     kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: needed for an FP8 cache
     rotate_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Optional per-head RMSNorm of q and k, then rotate-half rotary: one program per token.
+    """Optional per-head RMSNorm of q and k, then rotate-half rotary: two programs per token
+    (`ROTARY_SPLIT_QK`, the default: the queries in one, the keys, values and cache write in
+    the other), or one doing both in turn.
 
     Returns (q, k). With `kv_cache` (and `v`, `slot_mapping`) the rotated keys and the values go
     straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
