@@ -42,10 +42,10 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # values (and the cache write) in the other, instead of one doing both in turn: at decode's
 # few tokens a program's chain is the kernel's time (W2, FP8 cache: about 8 us a launch on an
 # H100, run 25's profile). The same numbers either way. On: on an H100 (bench notes, run 27)
-# W2 with FP8 weights and KV ran at 280.0 and 281.4 decode tok/s against 277.2 and 278.7 in
-# two calls (medians of three and two rounds, the same 256 tokens), and W1 with an FP8 cache
-# was level or faster (27,494.4 against 27,441.9 output tok/s in the warm round of the
-# second call). A switch so that a benchmark can run the engine each way.
+# W2 with FP8 weights and KV ran at 280.0, 281.4 and 281.3 decode tok/s against 277.2, 278.7
+# and 278.7 in three calls (the same 256 tokens), and W1 with an FP8 cache was level (+1.3%,
+# +0.2% and -0.3% in the three calls' medians). A switch so that a benchmark can run the
+# engine each way.
 ROTARY_SPLIT_QK = True
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
