@@ -43,9 +43,9 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # few tokens a program's chain is the kernel's time (W2, FP8 cache: about 8 us a launch on an
 # H100, run 25's profile). The same numbers either way. On: on an H100 (bench notes, run 27)
 # W2 with FP8 weights and KV ran at 280.0, 281.4 and 281.3 decode tok/s against 277.2, 278.7
-# and 278.7 in three calls (the same 256 tokens), and W1 with an FP8 cache was level (+1.3%,
-# +0.2% and -0.3% in the three calls' medians). A switch so that a benchmark can run the
-# engine each way.
+# and 278.7 in three calls (the same 256 tokens), and W1 with an FP8 cache was level (+1.3%
+# and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
+# that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
