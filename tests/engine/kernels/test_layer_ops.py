@@ -304,7 +304,7 @@ def test_rotary_launch_switches_real_shapes(
     _rotary_switch_case(device, monkeypatch, torch.bfloat16, from_memory, warps, (256, 16, 8, 128))
 
 
-def _early_loads_case(
+def _rotary_equal_switch_case(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
@@ -359,7 +359,7 @@ def test_rotary_equal_switches_change_nothing(
 ) -> None:
     cache = dtype if cache_dtype == "model" else cache_dtype
     assert cache is None or isinstance(cache, torch.dtype)
-    _early_loads_case(device, monkeypatch, dtype, cache, (5, 4, 2, 16), switch)
+    _rotary_equal_switch_case(device, monkeypatch, dtype, cache, (5, 4, 2, 16), switch)
 
 
 @pytest.mark.gpu
@@ -375,7 +375,7 @@ def test_rotary_equal_switches_real_shapes(
 ) -> None:
     """The same at W2's one token (Llama-3.1-8B heads) and W1's 256 (Qwen3-0.6B heads)."""
     heads = (32, 8) if tokens == 1 else (16, 8)
-    _early_loads_case(
+    _rotary_equal_switch_case(
         device, monkeypatch, torch.bfloat16, cache_dtype, (tokens, *heads, 128), switch
     )
 

@@ -314,7 +314,6 @@ def _per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def section_gemm(args: argparse.Namespace) -> None:
-
     extra = _parse_configs(args.gemm_configs)
     gemv = _parse_gemv_configs(args.gemv_configs)
     for name, (n, k) in W2_SHAPES.items():
@@ -677,6 +676,9 @@ def _attention_variants(suffix: str, attribute: str, value: object) -> dict[str,
     }
 
 
+# The base variants that a switch variant builds on: (name, weight quantization, KV cache dtype).
+_BASES = (("bf16", None, "auto"), ("fp8-kv", None, "fp8"), ("fp8-both", "fp8", "fp8"))
+
 VARIANTS = {
     "bf16": Variant("bf16", None, "auto"),
     "fp8-kv": Variant("fp8-kv", None, "fp8"),
@@ -747,14 +749,10 @@ VARIANTS = {
                 ("davit_engine.kernels.layer_ops", "ROTARY_LOADS_BEFORE_WAIT", False),
             ),
         )
-        for base, quantization, kv in (
-            ("bf16", None, "auto"),
-            ("fp8-kv", None, "fp8"),
-            ("fp8-both", "fp8", "fp8"),
-        )
+        for base, quantization, kv in _BASES
     },
     # each decoder layer's o projection, post-attention norm, MLP and the norm after it as one
-    # persistent kernel at one token (fused_layers.PERSISTENT_FP8_MLP), at most 4 (its
+    # persistent kernel at one token (fused_layers.PERSISTENT_FP8_MLP), at most 8 (its
     # default, capped by occupancy), 2 or 4 programs a multiprocessor (fp8_mlp_block.PROGRAMS_PER_SM)
     **{
         f"fp8-both-mlp-block{suffix}": Variant(
@@ -779,11 +777,7 @@ VARIANTS = {
             kv,
             (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", False),),
         )
-        for base, quantization, kv in (
-            ("bf16", None, "auto"),
-            ("fp8-kv", None, "fp8"),
-            ("fp8-both", "fp8", "fp8"),
-        )
+        for base, quantization, kv in _BASES
     },
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
