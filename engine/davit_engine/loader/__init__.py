@@ -30,6 +30,7 @@ from davit_engine.models.config import ModelConfig
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
 from davit_engine.models.parallel import FLAG as TP_FLAG
 from davit_engine.models.parallel import parallelize, rank_config, shard_weights
+from davit_engine.quant.block_fp8 import convert_block_scaled
 from davit_engine.quant.fp8_linear import (
     install_fp8_projections,
     quantize_lm_head,
@@ -215,7 +216,18 @@ def load_model(
             assert weights is not None
             model.load_weights(weights, config.model)
         else:
-            model.load_weights(safetensors_dir.iter_weights(Path(config.model)), config.model)
+            tensors = safetensors_dir.iter_weights(Path(config.model))
+            blocks = model_config.weight_blocks
+            if blocks is not None:
+                tensors = convert_block_scaled(tensors, blocks, config.model)
+                logger.warning(
+                    "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one "
+                    "scale per output channel (values of blocks with a smaller scale than "
+                    "their row's largest are rounded to e4m3 a second time; docs/fp8.md "
+                    "gives the perplexity cost)",
+                    config.model, blocks.rows, blocks.cols,
+                )  # fmt: skip
+            model.load_weights(tensors, config.model)
         if quantization == "fp8" and not prequantized:
             count = quantize_projections(model)
             logger.info("quantized %d projections to fp8 (per-channel scales)", count)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from davit_engine.models.config import ARCHITECTURES, ModelConfig
+from davit_engine.models.config import ARCHITECTURES, ModelConfig, WeightBlocks
 from davit_engine.types import ParamError
 
 # Which model_type values map to which composition, and what each implies beyond config.json.
@@ -65,14 +65,15 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         quantization=checkpoint_quantization(raw.get("quantization_config"), source),
+        weight_blocks=checkpoint_weight_blocks(raw.get("quantization_config"), source),
     )
     config.validate(source)
     return config
 
 
 def checkpoint_quantization(quant: Any, source: str) -> str | None:
-    """ "fp8" for FP8 checkpoints in the common safetensors layout (per-tensor or per-channel
-    `weight_scale` beside each float8_e4m3fn projection weight), None without a
+    """ "fp8" for FP8 checkpoints in the common safetensors layouts (float8_e4m3fn projection
+    weights with a per-tensor, per-channel or per-block scale beside each), None without a
     quantization_config; ParamError naming the field for any other scheme."""
     if quant is None:
         return None
@@ -81,40 +82,95 @@ def checkpoint_quantization(quant: Any, source: str) -> str | None:
         raise ParamError("model", f"{field} must be an object")
     method = quant.get("quant_method")
     if method == "fp8":
-        if quant.get("weight_block_size") is not None:
-            raise ParamError(
-                "model",
-                f"{field}.weight_block_size: block-wise FP8 (weight_scale_inv per "
-                f"{quant['weight_block_size']} block) is not supported; this engine loads FP8 "
-                "checkpoints with per-tensor or per-channel weight_scale",
-            )
         if quant.get("fmt", "e4m3") != "e4m3":
             raise ParamError("model", f"{field}.fmt {quant['fmt']!r}: only e4m3 is supported")
         _check_ignored(quant.get("ignored_layers") or quant.get("modules_to_not_convert"), field)
+        checkpoint_weight_blocks(quant, source)
         return "fp8"
     if method == "compressed-tensors":
-        groups = quant.get("config_groups") or {}
-        if not isinstance(groups, dict) or not groups:
-            raise ParamError("model", f"{field}.config_groups: expected at least one group")
-        for name, group in groups.items():
-            weights = (group or {}).get("weights") or {}
-            if (
-                weights.get("type") != "float"
-                or weights.get("num_bits") != 8
-                or weights.get("strategy") not in ("tensor", "channel")
-            ):
-                raise ParamError(
-                    "model",
-                    f"{field}.config_groups.{name}.weights: only 8-bit float weights with a "
-                    f"tensor or channel strategy (FP8) are supported, got {weights!r}",
-                )
+        _compressed_tensors_weights(quant, field)
         _check_ignored(quant.get("ignore"), field)
         return "fp8"
     raise ParamError(
         "model",
         f"{field}.quant_method {method!r} is not supported; supported: fp8 and "
-        "compressed-tensors FP8 (float8_e4m3fn weights with weight_scale)",
+        "compressed-tensors FP8 (float8_e4m3fn weights with per-tensor, per-channel or "
+        "per-block scales)",
     )
+
+
+def checkpoint_weight_blocks(quant: Any, source: str) -> WeightBlocks | None:
+    """The block size and scale tensor name of an FP8 checkpoint with block-wise scales
+    (`quant_method: fp8` with `weight_block_size`, scales in `weight_scale_inv`; or
+    compressed-tensors' block strategy with `block_structure`, scales in `weight_scale`); None
+    for other checkpoints. ParamError naming the field for a malformed block size."""
+    if not isinstance(quant, dict):
+        return None
+    field = f"{source}: quantization_config"
+    method = quant.get("quant_method")
+    if method == "fp8":
+        size = quant.get("weight_block_size")
+        if size is None:
+            return None
+        rows, cols = _block_size(size, f"{field}.weight_block_size")
+        scale_fmt = quant.get("scale_fmt", "float")
+        if scale_fmt != "float":
+            raise ParamError(
+                "model",
+                f"{field}.scale_fmt {scale_fmt!r}: only float block scales are supported",
+            )
+        return WeightBlocks(rows, cols, ".weight_scale_inv")
+    if method == "compressed-tensors":
+        return _compressed_tensors_weights(quant, field)
+    return None
+
+
+def _block_size(size: Any, field: str) -> tuple[int, int]:
+    if (
+        not isinstance(size, list | tuple)
+        or len(size) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
+    ):
+        raise ParamError("model", f"{field} must be two positive integers, got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _compressed_tensors_weights(quant: dict[str, Any], field: str) -> WeightBlocks | None:
+    """Check that every config group quantizes weights to 8-bit floats per tensor, per channel
+    or per block (one block structure for all); the blocks, or None."""
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ParamError("model", f"{field}.config_groups: expected at least one group")
+    blocks: set[tuple[int, int] | None] = set()
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        strategy = weights.get("strategy")
+        if (
+            weights.get("type") != "float"
+            or weights.get("num_bits") != 8
+            or strategy not in ("tensor", "channel", "block")
+        ):
+            raise ParamError(
+                "model",
+                f"{field}.config_groups.{name}.weights: only 8-bit float weights with a "
+                f"tensor, channel or block strategy (FP8) are supported, got {weights!r}",
+            )
+        blocks.add(
+            _block_size(
+                weights.get("block_structure"),
+                f"{field}.config_groups.{name}.weights.block_structure",
+            )
+            if strategy == "block"
+            else None
+        )
+    if len(blocks) > 1:
+        raise ParamError(
+            "model",
+            f"{field}.config_groups: groups with per-block scales and groups with other "
+            "strategies or block structures in one checkpoint are not supported",
+        )
+    size = blocks.pop()
+    return None if size is None else WeightBlocks(size[0], size[1], ".weight_scale")
 
 
 def _check_ignored(ignored: Any, field: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,6 +10,21 @@ from davit_engine.types import ParamError
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class WeightBlocks:
+    """How an FP8 checkpoint with block-wise scales stores them: one scale per `rows` x `cols`
+    block of a projection's weight, in a tensor named `<projection><scale_suffix>` of shape
+    `[ceil(N / rows), ceil(K / cols)]` (quant/block_fp8.py converts them at load)."""
+
+    rows: int
+    cols: int
+    scale_suffix: str
+
+    def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
+        n, k = weight_shape
+        return math.ceil(n / self.rows), math.ceil(k / self.cols)
 
 
 @dataclass(frozen=True)
@@ -38,8 +54,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None  # the checkpoint's dtype name, used by dtype="auto"
     # How the checkpoint's projections are stored: None (the model dtype) or "fp8" (float8
-    # e4m3 weights with `weight_scale` tensors, from config.json's quantization_config).
+    # e4m3 weights with scale tensors, from config.json's quantization_config).
     quantization: str | None = None
+    # An FP8 checkpoint whose scales are per block of each weight (None: per tensor or per
+    # output channel, `weight_scale`).
+    weight_blocks: WeightBlocks | None = None
 
     def validate(self, source: str) -> None:
         """Raise ParamError naming `source` and the field when the shape cannot work."""

@@ -330,7 +330,8 @@ class EngineSpec(CrdModel):
         description=(
             "Projection weights in FP8 (e4m3), passed as --quantization fp8: checkpoints in "
             "bf16/fp16 are quantized when the engine loads them (per-channel weight scales), "
-            "FP8 checkpoints are served as stored. About half the weight bytes per GPU. Needs "
+            "FP8 checkpoints are served in FP8 (a Davit engine re-quantizes block-wise scales "
+            "to per-channel ones at load). About half the weight bytes per GPU. Needs "
             "an accelerator the catalog records with FP8 and an engine release that "
             "implements it; unset: the checkpoint's own format."
         ),

@@ -15,9 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from davit_engine.config import EngineConfig
 from davit_engine.loader import load_model
+from davit_engine.models.config import WeightBlocks
 from davit_engine.models.llama import LlamaDecoderLayer
+from davit_engine.quant.block_fp8 import channel_scales_from_blocks
 from davit_engine.quant.fp8_linear import Fp8Linear
 from davit_engine.types import ParamError
+from davit_tools.bench.fp8_quality import write_block_fp8_checkpoint
+from tests.support import unavailable
 
 CPU = torch.device("cpu")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -100,7 +104,19 @@ def test_compressed_tensors_fp8_is_accepted(qwen3_tiny_dir: Path, tmp_path: Path
 @pytest.mark.parametrize(
     ("quant", "match"),
     [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be two positive"),
+        ({"quant_method": "fp8", "weight_block_size": [0, 128]}, r"weight_block_size must be two positive"),
+        ({"quant_method": "fp8", "weight_block_size": "128x128"}, r"weight_block_size must be two positive"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+         "scale_fmt 'ue8m0': only float block scales"),
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "block"}}}},
+         r"g\.weights\.block_structure must be two positive integers, got None"),
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {
+              "a": {"weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]}},
+              "b": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+         "groups with per-block scales and groups with other strategies"),
         ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
         ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}, "unquantized module"),
         ({"quant_method": "compressed-tensors",
@@ -132,3 +148,92 @@ def test_unquantized_projection_in_an_fp8_checkpoint_is_refused(
     save_file(tensors, str(path))
     with pytest.raises(ParamError, match="down_proj.weight.*float32.*float8_e4m3fn"):
         load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU)
+
+
+def _hf_weights(directory: Path) -> list[tuple[str, torch.Tensor]]:
+    return list(load_file(str(directory / "model.safetensors")).items())
+
+
+@pytest.mark.parametrize(
+    ("layout", "suffix"), [("fp8", ".weight_scale_inv"), ("compressed-tensors", ".weight_scale")]
+)
+def test_block_fp8_checkpoint_loads_with_channel_scales(
+    qwen3_tiny_dir: Path, tmp_path: Path, layout: str, suffix: str
+) -> None:
+    """Blocks of 48 x 40 (ragged at every edge of the tiny shape): each projection's weight is
+    the block conversion's, row for row inside the fused q/k/v and gate/up parameters, and the
+    model computes what the checkpoint's own values compute, to the conversion's rounding."""
+    config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
+    write_block_fp8_checkpoint(config, _hf_weights(qwen3_tiny_dir), tmp_path / "blk", (48, 40),
+                               layout, as_written=tmp_path / "written")  # fmt: skip
+    written = load_file(str(tmp_path / "blk" / "model.safetensors"))
+    assert "model.layers.0.mlp.down_proj" + suffix in written
+    loaded = load_model(EngineConfig(model=str(tmp_path / "blk"), dtype="float32"), CPU)
+    assert loaded.quantization == "fp8" and loaded.config.weight_blocks == WeightBlocks(
+        48, 40, suffix
+    )
+    layer = cast(LlamaDecoderLayer, loaded.model.model.layers[1])
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear)
+    c = loaded.config
+    name = "model.layers.1.self_attn.k_proj"
+    codes, channel = channel_scales_from_blocks(
+        written[name + ".weight"], written[name + suffix], WeightBlocks(48, 40, suffix)
+    )
+    rows = slice(c.q_size, c.q_size + c.kv_size)
+    assert torch.equal(qkv.weight.data[rows].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(qkv.weight_scale.data[rows], channel)
+
+    reference = load_model(EngineConfig(model=str(tmp_path / "written"), dtype="float32"), CPU)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"self_attn.qkv_proj": c.hidden_size, "self_attn.o_proj": c.q_size,
+              "mlp.gate_up_proj": c.hidden_size, "mlp.down_proj": c.intermediate_size}  # fmt: skip
+    with torch.no_grad():
+        for module_name, width in inputs.items():
+            ours = loaded.model.get_submodule(f"model.layers.1.{module_name}")
+            theirs = reference.model.get_submodule(f"model.layers.1.{module_name}")
+            x = torch.randn(13, width, generator=gen)
+            want = theirs(x)
+            assert float((ours(x) - want).norm() / want.norm()) < 0.06, module_name
+
+
+def test_block_fp8_checkpoint_written_by_transformers(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose projections transformers' own fine-grained FP8 quantizer wrote (its
+    `weight_scale_inv` convention: a value is code x scale of its block) loads to weights
+    within one e4m3 rounding of transformers' dequantization of the same tensors."""
+    try:
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+        from transformers.utils.quantization_config import FineGrainedFP8Config
+    except ImportError:
+        unavailable("transformers without the fine-grained FP8 quantizer")
+    import types
+
+    quantizer = Fp8Quantize(
+        types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(32, 32)))
+    )
+    target = tmp_path / "hf-blk"
+    target.mkdir()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _hf_weights(qwen3_tiny_dir):
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if part in PROJECTIONS:
+            out.update(quantizer.convert({name: tensor}))
+        else:
+            out[name] = tensor
+    save_file(out, str(target / "model.safetensors"))
+    config = json.loads((qwen3_tiny_dir / "config.json").read_text())
+    config["quantization_config"] = FineGrainedFP8Config(weight_block_size=(32, 32)).to_dict()
+    (target / "config.json").write_text(json.dumps(config))
+
+    loaded = load_model(EngineConfig(model=str(target), dtype="float32"), CPU)
+    assert loaded.config.weight_blocks == WeightBlocks(32, 32, ".weight_scale_inv")
+    gate_up = cast(LlamaDecoderLayer, loaded.model.model.layers[0]).mlp.gate_up_proj
+    assert isinstance(gate_up, Fp8Linear)
+    name = "model.layers.0.mlp.up_proj"
+    codes, scales = out[name + ".weight"], out[name + ".weight_scale_inv"]
+    theirs = codes.float() * scales.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    ours = gate_up.dequantized_weight(torch.float32)[loaded.config.intermediate_size :]
+    step = torch.maximum(theirs.abs() * 2.0**-3, gate_up.weight_scale.data[
+        loaded.config.intermediate_size :, None] * 2.0**-9)  # fmt: skip
+    assert bool(((ours - theirs).abs() <= step / 2 * (1 + 1e-5)).all())
+    assert float((ours - theirs).norm() / theirs.norm()) < 0.05

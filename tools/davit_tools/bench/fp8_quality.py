@@ -173,3 +173,86 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> Agreement:
         mean_common_prefix=round(sum(prefixes) / len(prefixes), 2),
         total=len(reference),
     )
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def block_quantize(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [N, K] in FP8 with one scale per `rows` x `cols` block, as block-wise FP8
+    checkpoints are written: a block's scale is its largest absolute value over 448 (1 for an
+    all-zero block), edge blocks cover what is left. Returns (e4m3 codes [N, K], scales
+    [ceil(N / rows), ceil(K / cols)] float32); a value is `code * scale` of its block."""
+    n, k = weight.shape
+    nb, kb = -(-n // rows), -(-k // cols)
+    padded = torch.zeros(nb * rows, kb * cols, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    amax = padded.view(nb, rows, kb, cols).abs().amax(dim=(1, 3))
+    scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    full = scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    codes = (weight.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def write_block_fp8_checkpoint(
+    config: Any, weights: Any, target: Any, block: tuple[int, int] = (128, 128),
+    layout: str = "fp8", as_written: Any = None,
+) -> None:  # fmt: skip
+    """A safetensors checkpoint of `config` (a ModelConfig) and `weights` ((Hugging Face name,
+    tensor) pairs) in `target`, every decoder projection block-quantized (`block_quantize`):
+    `layout` "fp8" writes `quant_method: fp8` with `weight_block_size` and `weight_scale_inv`
+    tensors, "compressed-tensors" its block strategy with `weight_scale` tensors. `as_written`
+    (a directory): also the same checkpoint with every projection dequantized exactly into
+    float32, the values the block checkpoint stands for."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from davit_engine.loader.hf_config import model_config_to_hf
+
+    rows, cols = block
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    suffix = ".weight_scale_inv" if layout == "fp8" else ".weight_scale"
+    for name, tensor in weights:
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if part not in PROJECTIONS:
+            quantized[name] = dequantized[name] = tensor.contiguous()
+            continue
+        codes, scales = block_quantize(tensor, rows, cols)
+        quantized[name] = codes
+        quantized[name.removesuffix(".weight") + suffix] = scales
+        n, k = codes.shape
+        full = scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+        dequantized[name] = codes.float() * full
+    raw = model_config_to_hf(config)
+    if layout == "fp8":
+        raw["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [rows, cols],
+        }  # fmt: skip
+    elif layout == "compressed-tensors":
+        raw["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                            "block_structure": [rows, cols], "symmetric": True, "dynamic": False},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "group",
+                                      "group_size": cols, "dynamic": True},
+            }},
+            "ignore": ["lm_head"],
+        }  # fmt: skip
+    else:
+        raise ValueError(f"layout must be fp8 or compressed-tensors, got {layout!r}")
+    for directory, tensors, cfg in (
+        (Path(target), quantized, raw),
+        (Path(as_written) if as_written is not None else None, dequantized,
+         {k: v for k, v in raw.items() if k != "quantization_config"}),
+    ):  # fmt: skip
+        if directory is None:
+            continue
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(cfg))
