@@ -219,7 +219,7 @@ def load_model(
             tensors = safetensors_dir.iter_weights(Path(config.model))
             blocks = model_config.weight_blocks
             if blocks is not None:
-                tensors = convert_block_scaled(tensors, blocks, config.model)
+                tensors = convert_block_scaled(tensors, blocks, config.model, device)
                 logger.warning(
                     "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one "
                     "scale per output channel (values of blocks with a smaller scale than "

@@ -81,12 +81,17 @@ def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, int], sour
 
 
 def convert_block_scaled(
-    weights: Iterable[tuple[str, torch.Tensor]], blocks: WeightBlocks, source: str
+    weights: Iterable[tuple[str, torch.Tensor]],
+    blocks: WeightBlocks,
+    source: str,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` (checkpoint name, tensor) with every FP8 weight and its block scale replaced by
     the weight re-quantized per channel and its `weight_scale` [N]; other tensors pass through.
     A weight and its scale may come in either order (different files of one checkpoint); one
-    without the other raises ParamError naming it, once the stream ends."""
+    without the other raises ParamError naming it, once the stream ends. `device`: where the
+    conversion runs and the converted tensors stay (the model's; on two CPU cores an 8B
+    model's projections take about 40 s, 0.33 s per 14,336 x 4,096 weight)."""
     pending_weights: dict[str, tuple[str, torch.Tensor]] = {}
     pending_scales: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -99,6 +104,8 @@ def convert_block_scaled(
                 f"{source}: FP8 weight {weight_name!r} must be 2-D, got {tuple(weight.shape)}",
             )
         _check_scale(scale_name, scale, blocks.scale_shape(tuple(weight.shape)), source)
+        if device is not None:
+            weight, scale = weight.to(device), scale.to(device)
         requantized, channel = channel_scales_from_blocks(weight, scale, blocks)
         key = weight_name[: -len(WEIGHT_SUFFIX)]
         yield weight_name, requantized

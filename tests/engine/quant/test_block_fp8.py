@@ -144,3 +144,16 @@ def test_bad_block_scales_are_refused_by_name(scale: torch.Tensor, match: str) -
     with pytest.raises(ParamError, match=match) as err:
         list(convert_block_scaled(stream, BLOCKS, "ckpt"))
     assert "down_proj.weight_scale_inv" in err.value.message
+
+
+@pytest.mark.gpu
+def test_the_conversion_on_the_gpu_is_the_cpus() -> None:
+    """The loader converts on the model's device: the same codes and scales there."""
+    codes, scales = block_quantize(_block_weight(300, 260), BLOCKS.rows, BLOCKS.cols)
+    stream = [("m.o_proj.weight", codes), ("m.o_proj.weight_scale_inv", scales)]
+    cpu = dict(convert_block_scaled(stream, BLOCKS, "ckpt"))
+    gpu = dict(convert_block_scaled(stream, BLOCKS, "ckpt", torch.device("cuda")))
+    assert gpu["m.o_proj.weight"].device.type == "cuda"
+    assert torch.equal(gpu["m.o_proj.weight"].cpu().view(torch.uint8),
+                       cpu["m.o_proj.weight"].view(torch.uint8))  # fmt: skip
+    assert torch.equal(gpu["m.o_proj.weight_scale"].cpu(), cpu["m.o_proj.weight_scale"])

@@ -112,6 +112,7 @@ TEST_PATHS = (
     "tests/engine/kernels/test_fp8_mlp_block.py",
     "tests/engine/quant/test_fp8_linear.py",
     "tests/engine/quant/test_fp8_kv_engine.py",
+    "tests/engine/quant/test_block_fp8.py",
     "tests/engine/runner/v2/test_fused_layers.py",
     "tests/engine/runner/v2/test_graph_logits.py",
 )
