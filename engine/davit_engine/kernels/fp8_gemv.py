@@ -164,6 +164,11 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     stride_xm,
     stride_om,
     k_per_split,
+    res_ptr,  # ADD_NORM: the residual stream [N], updated in place
+    norm_w_ptr,  # ADD_NORM: the next RMSNorm's weight [N]
+    squares_ptr,  # ADD_NORM: out, one sum of squares per program; NORMED: in, num_squares
+    num_squares,
+    eps,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -173,6 +178,9 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     GATED: tl.constexpr,
     PRELOAD: tl.constexpr,
     USE_GDC: tl.constexpr,
+    ADD_NORM: tl.constexpr = False,
+    NORMED: tl.constexpr = False,
+    SQUARES_PAD: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -223,6 +231,10 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_row + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
+        if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
+            parts = tl.arange(0, SQUARES_PAD)
+            squares = tl.load(squares_ptr + parts, mask=parts < num_squares, other=0.0)
+            total = total * tl.rsqrt(tl.sum(squares, 0) / K + eps)
     else:
         acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -235,8 +247,33 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_rows + kk[None, None, :], mask=kk[None, None, :] < k_end, other=0.0)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
         total = tl.sum(acc, 2)  # [ROWS, BLOCK_N]
-    _store_rows(total, rows, cols, w_row, pid_n, split, num_rows, N, scale_ptr, bias_ptr,
-                out_ptr, part_ptr, stride_om, HAS_BIAS, ROWS, BLOCK_N, SPLIT_K, GATED)  # fmt: skip
+    if ADD_NORM:  # one row, one split, no bias, not gated (fp8_gemv_add_norm)
+        _store_add_norm(total, cols, w_row, pid_n, N, scale_ptr, out_ptr, res_ptr, norm_w_ptr,
+                        squares_ptr)  # fmt: skip
+    else:
+        _store_rows(total, rows, cols, w_row, pid_n, split, num_rows, N, scale_ptr, bias_ptr,
+                    out_ptr, part_ptr, stride_om, HAS_BIAS, ROWS, BLOCK_N, SPLIT_K, GATED)  # fmt: skip
+
+
+@triton.jit
+def _store_add_norm(  # type: ignore[no-untyped-def]
+    total, cols, w_row, pid_n, N, scale_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr
+):  # fmt: skip
+    """One row's product `total` [1, BLOCK_N] (columns `cols`), scaled and rounded to the
+    activation dtype, added to the residual stream as `layer_ops.add_rms_norm` adds it (the sum
+    `s` rounded, written back in place); out: `s * norm weight` rounded, and the program's sum
+    of `s^2` over its columns."""
+    valid = (cols < N)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    product = (total * tl.load(scale_ptr + w_row)[None, :]).to(dtype).to(tl.float32)
+    dst = cols[None, :]
+    residual = tl.load(res_ptr + dst, mask=valid, other=0.0).to(tl.float32)
+    s = (product + residual).to(dtype)
+    tl.store(res_ptr + dst, s, mask=valid)
+    s32 = tl.where(valid, s.to(tl.float32), 0.0)
+    norm_w = tl.load(norm_w_ptr + dst, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, (s32 * norm_w).to(dtype), mask=valid)
+    tl.store(squares_ptr + pid_n, tl.sum(tl.sum(s32 * s32, 1), 0))
 
 
 @triton.jit
@@ -435,6 +472,7 @@ def fp8_gemv(
         _fp8_gemv_kernel[grid](
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
             num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
+            out, weight_scale, weight_scale, 0, 0.0,
             HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
             PRELOAD=bool(cfg.preload) and rows_per_program == 1 and k % cfg.block_k == 0,
@@ -448,4 +486,88 @@ def fp8_gemv(
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, GATED=gated, num_warps=4,
             **launch,
         )  # fmt: skip
+    return out
+
+
+# ---- one-row products with the residual add and RMSNorm folded in ----------------------------
+#
+# At one token a decoder layer's `add_rms_norm` kernels (after attention and after the MLP) each
+# sit between two products. `fp8_gemv_add_norm` (o, down) does the add in its epilogue and
+# applies the next norm's weight; `fp8_gemv_normed` (q/k/v, gate/up) applies the norm's 1/rms,
+# a single number, to its sums after the K loop, from the sums of squares the producer's
+# programs wrote. The numbers differ from the unfused kernels' only in where one rounding
+# happens: the product's input is `s * norm weight` rounded to the activation dtype, where the
+# norm kernel rounds `s / rms` and then `(s / rms) * norm weight`.
+
+
+def _one_row_config(n_w: int, device: torch.device) -> GemvConfig:
+    return dataclasses.replace(default_config(1, n_w, device), split_k=1, stages=0, preload=0)
+
+
+def fp8_gemv_add_norm(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    residual: torch.Tensor,  # [1, N] in x's dtype, contiguous: updated in place
+    norm_weight: torch.Tensor,  # [N], the RMSNorm after the add
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([1, N] s * norm weight, [programs] float32)
+    """`s = x @ W^T * scale + residual` (the product rounded to x's dtype, then the sum, as
+    `add_rms_norm` rounds them), written into `residual`; returns `s * norm_weight` rounded
+    and each program's sum of `s^2` over its columns, which `fp8_gemv_normed` takes."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if num_rows != 1:
+        raise ValueError(f"fp8_gemv_add_norm: one row only (got {num_rows})")
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+    cfg = _one_row_config(n, x.device)
+    programs = triton.cdiv(n, cfg.block_n)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    squares = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(programs, 1, 1)](
+        x, weight, weight_scale, weight_scale, out, out, 1, n, k, x.stride(0), out.stride(0), k,
+        residual, norm_weight, squares, programs, 0.0,
+        HAS_BIAS=False, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
+        EVEN_K=k % cfg.block_k == 0, GATED=False, PRELOAD=False, ADD_NORM=True,
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
+    )  # fmt: skip
+    return out, squares
+
+
+def fp8_gemv_normed(
+    x: torch.Tensor,  # [1, K]: s * norm weight, from fp8_gemv_add_norm
+    squares: torch.Tensor,  # fp8_gemv_add_norm's sums of squares of s
+    eps: float,  # the RMSNorm's
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:  # [1, N] ([1, N / 2] gated)
+    """`fp8_gemv` of `RMSNorm(s)` from `s * norm weight`: the sums times
+    `rsqrt(sum(squares) / K + eps)`, then the channel scale (and bias, and SiLU x up when
+    `gated`, as `fp8_gemv`)."""
+    num_rows, k = x.shape
+    n_w = weight.shape[0]
+    if num_rows != 1:
+        raise ValueError(f"fp8_gemv_normed: one row only (got {num_rows})")
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    assert squares.dtype == torch.float32 and squares.dim() == 1 and squares.is_contiguous()
+    if gated and n_w % 2:
+        raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")
+    n = n_w // 2 if gated else n_w
+    cfg = _one_row_config(n_w, x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    num_squares = squares.shape[0]
+    _fp8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n), 1, 1)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, out,
+        1, n, k, x.stride(0), out.stride(0), k,
+        out, weight_scale, squares, num_squares, eps,
+        HAS_BIAS=bias is not None, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=1, EVEN_K=k % cfg.block_k == 0, GATED=gated, PRELOAD=False, NORMED=True,
+        SQUARES_PAD=triton.next_power_of_2(num_squares),
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
+    )  # fmt: skip
     return out

@@ -344,3 +344,60 @@ def test_plain_preload_real_shapes_in_a_graph(
     )
     for out in outs:
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "k", "gated", "bias"), [(96, 130, False, True), (160, 96, True, False)]
+)
+def test_one_row_chain_with_the_norm_folded_in(
+    device: torch.device, dtype: torch.dtype, n: int, k: int, gated: bool, bias: bool
+) -> None:
+    """A producer (o or down: the residual add in its epilogue, the next norm's weight applied)
+    then a consumer (q/k/v with a bias, or gate/up gated: the norm's 1/rms on its sums) against
+    the unfused kernels: the product, `add_rms_norm`, the product. The residual stream is the
+    unfused kernels' bit for bit; the consumer's output differs by one rounding of its input
+    (see fp8_gemv.py)."""
+    _norm_chain_case(device, dtype, n, k, 200, gated, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])
+def test_one_row_chain_with_the_norm_folded_in_real_shapes(n: int, gated: bool) -> None:
+    """Llama-3.1-8B's shapes in bf16: o (4,096 x 4,096) then q/k/v, down (4,096 x 14,336)
+    then gate/up."""
+    _norm_chain_case(torch.device("cuda"), torch.bfloat16, n, 4096, 14336 if gated else 4096,
+                     gated, False)  # fmt: skip
+
+
+def _norm_chain_case(
+    device: torch.device, dtype: torch.dtype, n: int, k: int, k_in: int, gated: bool, bias: bool
+) -> None:
+    from davit_engine.kernels.layer_ops import add_rms_norm
+
+    torch.manual_seed(n + k + gated)
+    eps = 1e-5
+    w_o, s_o = _weights(k, k_in, device)  # producer: k_in inputs -> the hidden size k
+    w_next, s_next = _weights(n, k, device)
+    x = torch.randn(1, k_in, device=device).to(dtype)
+    residual = (torch.randn(1, k, device=device) * 3).to(dtype)
+    norm_w = (torch.rand(k, device=device) + 0.5).to(dtype)
+    b = torch.randn(n // 2 if gated else n, device=device).to(dtype) if bias else None
+
+    y = gemv(x, w_o, s_o)
+    ref_x, ref_s = add_rms_norm(y, residual.clone(), norm_w, eps)
+    ref = gemv(ref_x, w_next, s_next, b, gated=gated)
+
+    fused_res = residual.clone()
+    xw, squares = fp8_gemv.fp8_gemv_add_norm(x, w_o, s_o, fused_res, norm_w)
+    assert torch.equal(fused_res, ref_s)
+    # one rounding of s * norm weight (Triton's interpreter rounds bf16 toward zero, the GPU
+    # to nearest: within one step of the product either way)
+    want = ref_s.float() * norm_w.float()
+    assert bool(((xw.float() - want).abs() <= want.abs() * torch.finfo(dtype).eps).all())
+    assert abs(float(squares.double().sum()) / float(ref_s.double().pow(2).sum()) - 1) < 1e-5
+    out = fp8_gemv.fp8_gemv_normed(xw, squares, eps, w_next, s_next, b, gated=gated)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+    with pytest.raises(ValueError, match="one row only"):
+        fp8_gemv.fp8_gemv_normed(torch.cat([xw, xw]), squares, eps, w_next, s_next)

@@ -780,6 +780,14 @@ VARIANTS = {
         )
         for base, quantization, kv in _BASES
     },
+    # at one token, each residual add + RMSNorm between two FP8 products folded into them
+    # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS: 2 x layers - 1 launches fewer a step)
+    "fp8-both-norm-chain": Variant(
+        "fp8-both-norm-chain",
+        "fp8",
+        "fp8",
+        (("davit_engine.runner.v2.fused_layers", "NORM_IN_ONE_ROW_PRODUCTS", True),),
+    ),
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(

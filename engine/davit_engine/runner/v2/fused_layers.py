@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from davit_engine.kernels import fp8_mlp_block
+from davit_engine.kernels import fp8_gemv, fp8_mlp_block, interpreted
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
@@ -74,10 +74,13 @@ def _attention_heads(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    qkv: torch.Tensor | None = None,  # [T, q + 2 kv]: the projection, when the caller made it
 ) -> torch.Tensor:  # [T, Hq * D], the o projection's input
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
-    q, k, v = module.qkv_proj(x).split(module.split_sizes, dim=-1)
+    if qkv is None:
+        qkv = module.qkv_proj(x)
+    q, k, v = qkv.split(module.split_sizes, dim=-1)
     q = q.view(num_tokens, heads, dim)  # [T, Hq, D]
     k = k.view(num_tokens, kv_heads, dim)  # [T, Hkv, D]
     v = v.view(num_tokens, kv_heads, dim)
@@ -195,6 +198,38 @@ class _MlpBlocks:
 PERSISTENT_FP8_MLP = False
 
 
+# Whether a one-token step folds each residual add + RMSNorm between two FP8 products into
+# them (`fp8_gemv.fp8_gemv_add_norm` after attention and the MLP, `fp8_gemv.fp8_gemv_normed`
+# for q/k/v and gate/up): 63 fewer launches a step at 32 layers (the first layer's input norm
+# and the final norm stay kernels of their own). Off: not timed on a GPU yet. A switch so that
+# a benchmark can time both.
+NORM_IN_ONE_ROW_PRODUCTS = False
+
+
+def _fp8_projections(layer: LlamaDecoderLayer) -> tuple[Fp8Linear, ...] | None:
+    """The layer's q/k/v, o, gate/up and down projections where all four are FP8 without a
+    forward hook (tensor parallelism's all-reduce) and o, gate/up and down without a bias."""
+    found = (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )  # fmt: skip
+    if not all(isinstance(m, Fp8Linear) and not m._forward_hooks for m in found):
+        return None
+    if any(m.bias is not None for m in found[1:]):
+        return None
+    return cast(tuple[Fp8Linear, ...], found)
+
+
+def _norm_chain(layers: list[LlamaDecoderLayer], hidden: torch.Tensor) -> bool:
+    """Whether this step runs the layers with the norms folded into the products (the switch,
+    one token, a GPU or Triton's interpreter, every layer's projections FP8)."""
+    if not NORM_IN_ONE_ROW_PRODUCTS or hidden.shape[0] != 1:
+        return False
+    if hidden.device.type != "cuda" and not interpreted():
+        return False
+    return all(_fp8_projections(layer) is not None for layer in layers)
+
+
 def _fused_model(model: LlamaForCausalLM) -> Any:
     """The model's forward with every residual add fused into the RMSNorm after it."""
     layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in model.model.layers]
@@ -218,6 +253,11 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
             return model.model.norm(residual)
         first = layers[0].input_layernorm
         x = rms_norm(residual, first.weight, first.eps)
+        if (
+            _norm_chain(layers, residual)
+            and mlp_blocks.get(layers, norms_after_mlp, residual) is None
+        ):
+            return _norm_chain_forward(layers, norms_after_mlp, x, residual, rope, kv_caches, meta)
         blocks = mlp_blocks.get(layers, norms_after_mlp, residual)
         for i, (layer, kv_cache, next_norm) in enumerate(
             zip(layers, kv_caches, norms_after_mlp, strict=True)
@@ -234,6 +274,48 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
         return x
 
     return forward
+
+
+def _norm_chain_forward(
+    layers: list[LlamaDecoderLayer],
+    norms_after_mlp: list[RMSNorm],
+    x: torch.Tensor,  # [1, hidden]: the first layer's input, normed
+    residual: torch.Tensor,  # [1, hidden], updated in place
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """One token through the layers with every add + RMSNorm between two products folded into
+    them (`NORM_IN_ONE_ROW_PRODUCTS`); the final norm stays a kernel."""
+    squares: torch.Tensor | None = None  # None: x is normed (the first layer)
+    eps = 0.0
+    last = len(layers) - 1
+    for i, (layer, kv_cache, next_norm) in enumerate(
+        zip(layers, kv_caches, norms_after_mlp, strict=True)
+    ):
+        qkv_proj, o_proj, gate_up, down = cast(tuple[Fp8Linear, ...], _fp8_projections(layer))
+        attn = layer.self_attn
+        qkv = None
+        if squares is not None:
+            qkv = fp8_gemv.fp8_gemv_normed(
+                x, squares, eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias
+            )
+        heads = _attention_heads(attn, x, rope[0], rope[1], kv_cache, meta, qkv=qkv)
+        post = layer.post_attention_layernorm
+        xw, post_squares = fp8_gemv.fp8_gemv_add_norm(
+            heads, o_proj.weight, o_proj.weight_scale, residual, post.weight
+        )
+        hidden = fp8_gemv.fp8_gemv_normed(
+            xw, post_squares, post.eps, gate_up.weight, gate_up.weight_scale, gated=True
+        )
+        if i < last:
+            x, squares = fp8_gemv.fp8_gemv_add_norm(
+                hidden, down.weight, down.weight_scale, residual, next_norm.weight
+            )
+            eps = next_norm.eps
+        else:
+            x, residual = add_rms_norm(down(hidden), residual, next_norm.weight, next_norm.eps)
+    return x
 
 
 def _fusable_model(model: nn.Module) -> bool:

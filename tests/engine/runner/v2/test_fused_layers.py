@@ -187,3 +187,76 @@ def test_fused_layers_with_fp8_projections(
             outs.append(net.compute_logits(hidden).float())
     tol = 3e-2 if dtype == "bfloat16" else 1e-4
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("model", ["random:qwen3-tiny", "random:qwen2-tiny", "random:llama-tiny"])
+def test_norms_folded_into_one_row_products(
+    device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`NORM_IN_ONE_ROW_PRODUCTS`: a one-token decode step after a five-token prefill (the
+    prefill takes the unfused kernels, the step the products with the norms folded in, every
+    layer's adds but the last) gives the plain model's logits and KV caches; q/k/v with a bias
+    (qwen2) included."""
+    _norm_chain_case(device, model, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["random:qwen3-tiny", "random:qwen2-tiny"])
+def test_norms_folded_into_one_row_products_on_the_gpu(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _norm_chain_case(torch.device("cuda"), model, monkeypatch)
+
+
+def _norm_chain_case(device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from davit_engine.kernels import fp8_gemv
+
+    monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", True)
+    calls = {"add_norm": 0, "normed": 0}
+    for name, key in (("fp8_gemv_add_norm", "add_norm"), ("fp8_gemv_normed", "normed")):
+        original = getattr(fp8_gemv, name)
+
+        def counted(*args: object, _f: object = original, _k: str = key, **kw: object) -> object:
+            calls[_k] += 1
+            return _f(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(fp8_gemv, name, counted)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = EngineConfig(model=model, dtype=dtype, device=device.type, quantization="fp8")
+    plain = load_model(config, device).model
+    fused = load_model(config, device).model
+    fused.load_state_dict(plain.state_dict())
+    install_fused_layers(fused)
+    page, num_blocks = 4, 2
+    prompt = torch.tensor([5, 77, 301, 9, 140], device=device)
+    outs, caches_out = [], []
+    for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
+        c = net.config
+        shape = (2, num_blocks, page, c.num_kv_heads, c.head_dim)
+        caches = [
+            torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
+            for _ in range(c.num_layers)
+        ]
+        with torch.inference_mode():
+            net(prompt, torch.arange(5, device=device), caches,
+                _prefill_meta(device, 5, num_blocks, backend))  # fmt: skip
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([5], device=device),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([6], dtype=torch.int32, device=device),
+                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+                max_query_len=1,
+                max_seq_len=6,
+                backend=backend,
+            )
+            hidden = net(torch.tensor([42], device=device), torch.tensor([5], device=device),
+                         caches, meta)  # fmt: skip
+            outs.append(net.compute_logits(hidden).float())
+        caches_out.append(torch.stack(caches).float())
+    layers = len(fused.model.layers)
+    # o and down of every layer but the last one's down; gate/up of every layer, q/k/v but the
+    # first layer's
+    assert calls == {"add_norm": 2 * layers - 1, "normed": 2 * layers - 1}
+    tol = 3e-2 if dtype == "bfloat16" else 1e-4
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(caches_out[1], caches_out[0], atol=tol, rtol=tol)
