@@ -500,6 +500,18 @@ def fp8_gemv(
 # norm kernel rounds `s / rms` and then `(s / rms) * norm weight`.
 
 
+def _check_one_row(
+    name: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> int:
+    """K, after the checks of a one-row product's arguments."""
+    num_rows, k = x.shape
+    if num_rows != 1:
+        raise ValueError(f"{name}: one row only (got {num_rows})")
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
+    return int(k)
+
+
 def _one_row_config(n_w: int, device: torch.device) -> GemvConfig:
     return dataclasses.replace(default_config(1, n_w, device), split_k=1, stages=0, preload=0)
 
@@ -514,12 +526,8 @@ def fp8_gemv_add_norm(
     """`s = x @ W^T * scale + residual` (the product rounded to x's dtype, then the sum, as
     `add_rms_norm` rounds them), written into `residual`; returns `s * norm_weight` rounded
     and each program's sum of `s^2` over its columns, which `fp8_gemv_normed` takes."""
-    num_rows, k = x.shape
+    k = _check_one_row("fp8_gemv_add_norm", x, weight, weight_scale)
     n = weight.shape[0]
-    if num_rows != 1:
-        raise ValueError(f"fp8_gemv_add_norm: one row only (got {num_rows})")
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
-    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
     assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
     cfg = _one_row_config(n, x.device)
@@ -548,12 +556,8 @@ def fp8_gemv_normed(
     """`fp8_gemv` of `RMSNorm(s)` from `s * norm weight`: the sums times
     `rsqrt(sum(squares) / K + eps)`, then the channel scale (and bias, and SiLU x up when
     `gated`, as `fp8_gemv`)."""
-    num_rows, k = x.shape
+    k = _check_one_row("fp8_gemv_normed", x, weight, weight_scale)
     n_w = weight.shape[0]
-    if num_rows != 1:
-        raise ValueError(f"fp8_gemv_normed: one row only (got {num_rows})")
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
-    assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
     assert squares.dtype == torch.float32 and squares.dim() == 1 and squares.is_contiguous()
     if gated and n_w % 2:
         raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")

@@ -7,6 +7,7 @@ from davit_engine.config import EngineConfig
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from davit_engine.loader import load_model
+from davit_engine.models.config import ModelConfig
 from davit_engine.runner.v2 import fused_layers
 from davit_engine.runner.v2.fused_layers import install_fused_layers
 
@@ -155,6 +156,13 @@ def test_fused_layers_with_an_fp8_cache_rotate_queries_before_attention(
         assert float((logits - logits_plain).abs().max()) <= 1e-4 * scale
 
 
+def _caches(
+    c: ModelConfig, num_blocks: int, page: int, device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    shape = (2, num_blocks, page, c.num_kv_heads, c.head_dim)
+    return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_layers)]
+
+
 @pytest.mark.parametrize("fuse_activation", [True, False])
 def test_fused_layers_with_fp8_projections(
     device: torch.device, fuse_activation: bool, monkeypatch: pytest.MonkeyPatch
@@ -175,12 +183,7 @@ def test_fused_layers_with_fp8_projections(
     ids = torch.tensor([5, 77], device=device)
     outs = []
     for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
-        c = net.config
-        shape = (2, num_blocks, page, c.num_kv_heads, c.head_dim)
-        caches = [
-            torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
-            for _ in range(c.num_layers)
-        ]
+        caches = _caches(net.config, num_blocks, page, device, getattr(torch, dtype))
         meta = _prefill_meta(device, num_tokens, num_blocks, backend)
         with torch.inference_mode():
             hidden = net(ids, torch.arange(num_tokens, device=device), caches, meta)
@@ -231,12 +234,7 @@ def _norm_chain_case(device: torch.device, model: str, monkeypatch: pytest.Monke
     prompt = torch.tensor([5, 77, 301, 9, 140], device=device)
     outs, caches_out = [], []
     for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
-        c = net.config
-        shape = (2, num_blocks, page, c.num_kv_heads, c.head_dim)
-        caches = [
-            torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
-            for _ in range(c.num_layers)
-        ]
+        caches = _caches(net.config, num_blocks, page, device, getattr(torch, dtype))
         with torch.inference_mode():
             net(prompt, torch.arange(5, device=device), caches,
                 _prefill_meta(device, 5, num_blocks, backend))  # fmt: skip
