@@ -47,6 +47,10 @@ IGNORED_SUFFIXES: tuple[str, ...] = (
 )
 # Scale tensors that may hold one value for a whole (split) projection.
 SCALE_SUFFIX = ".weight_scale"
+# transformers' fine-grained FP8 names its scale so; one value of it (no `weight_block_size`:
+# one block the size of the weight) is a per-tensor `weight_scale` (block-wise ones are
+# converted before they get here, quant/block_fp8.py).
+INVERSE_SCALE_SUFFIX = ".weight_scale_inv"
 
 
 class LlamaAttention(nn.Module):
@@ -199,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
+            if name.endswith(INVERSE_SCALE_SUFFIX) and tensor.numel() == 1:
+                name = name.removesuffix(INVERSE_SCALE_SUFFIX) + SCALE_SUFFIX
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints also store the head; the embedding wins
             target, rows = self._target(name)

@@ -197,10 +197,14 @@ def test_block_fp8_checkpoint_loads_with_channel_scales(
             assert float((ours(x) - want).norm() / want.norm()) < 0.06, module_name
 
 
-def test_block_fp8_checkpoint_written_by_transformers(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", [(32, 32), None])
+def test_block_fp8_checkpoint_written_by_transformers(
+    qwen3_tiny_dir: Path, tmp_path: Path, block: tuple[int, int] | None
+) -> None:
     """A checkpoint whose projections transformers' own fine-grained FP8 quantizer wrote (its
     `weight_scale_inv` convention: a value is code x scale of its block) loads to weights
-    within one e4m3 rounding of transformers' dequantization of the same tensors."""
+    within one e4m3 rounding of transformers' dequantization of the same tensors; without a
+    block size it writes one scale per tensor, which loads exactly."""
     try:
         from transformers.integrations.finegrained_fp8 import Fp8Quantize
         from transformers.utils.quantization_config import FineGrainedFP8Config
@@ -208,9 +212,8 @@ def test_block_fp8_checkpoint_written_by_transformers(qwen3_tiny_dir: Path, tmp_
         unavailable("transformers without the fine-grained FP8 quantizer")
     import types
 
-    quantizer = Fp8Quantize(
-        types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(32, 32)))
-    )
+    quant_config = FineGrainedFP8Config(weight_block_size=block)
+    quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=quant_config))
     target = tmp_path / "hf-blk"
     target.mkdir()
     out: dict[str, torch.Tensor] = {}
@@ -222,17 +225,22 @@ def test_block_fp8_checkpoint_written_by_transformers(qwen3_tiny_dir: Path, tmp_
             out[name] = tensor
     save_file(out, str(target / "model.safetensors"))
     config = json.loads((qwen3_tiny_dir / "config.json").read_text())
-    config["quantization_config"] = FineGrainedFP8Config(weight_block_size=(32, 32)).to_dict()
+    config["quantization_config"] = quant_config.to_dict()
     (target / "config.json").write_text(json.dumps(config))
 
     loaded = load_model(EngineConfig(model=str(target), dtype="float32"), CPU)
-    assert loaded.config.weight_blocks == WeightBlocks(32, 32, ".weight_scale_inv")
+    assert loaded.quantization == "fp8"
     gate_up = cast(LlamaDecoderLayer, loaded.model.model.layers[0]).mlp.gate_up_proj
     assert isinstance(gate_up, Fp8Linear)
     name = "model.layers.0.mlp.up_proj"
     codes, scales = out[name + ".weight"], out[name + ".weight_scale_inv"]
-    theirs = codes.float() * scales.repeat_interleave(32, 0).repeat_interleave(32, 1)
     ours = gate_up.dequantized_weight(torch.float32)[loaded.config.intermediate_size :]
+    if block is None:
+        assert loaded.config.weight_blocks is None and scales.numel() == 1
+        assert torch.equal(ours, codes.float() * scales.reshape(()))
+        return
+    assert loaded.config.weight_blocks == WeightBlocks(32, 32, ".weight_scale_inv")
+    theirs = codes.float() * scales.repeat_interleave(32, 0).repeat_interleave(32, 1)
     step = torch.maximum(theirs.abs() * 2.0**-3, gate_up.weight_scale.data[
         loaded.config.intermediate_size :, None] * 2.0**-9)  # fmt: skip
     assert bool(((ours - theirs).abs() <= step / 2 * (1 + 1e-5)).all())
