@@ -258,3 +258,37 @@ def _norm_chain_case(device: torch.device, model: str, monkeypatch: pytest.Monke
     tol = 3e-2 if dtype == "bfloat16" else 1e-4
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     torch.testing.assert_close(caches_out[1], caches_out[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_norm_chain_through_the_engine(
+    enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folded norms through runner V2 at one request (decode steps of one token, inside
+    the captured CUDA graph unless eager): the greedy tokens of the unfused kernels (float32
+    activations, so the moved rounding is below the logits' ties)."""
+    from davit_engine.kernels import fp8_gemv
+    from davit_engine.llm import LLM
+    from davit_engine.types import SamplingParams
+
+    calls = {"n": 0}
+    original = fp8_gemv.fp8_gemv_add_norm
+
+    def counted(*args: object, **kw: object) -> object:
+        calls["n"] += 1
+        return original(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_add_norm", counted)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", on)
+        llm = LLM("random:llama-tiny", device="cuda", dtype="float32", quantization="fp8",
+                  runner="v2", enforce_eager=enforce_eager, max_num_batched_tokens=256)  # fmt: skip
+        try:
+            tokens[on] = [out.token_ids for out in llm.generate([[5, 9, 77, 300, 12]], greedy)]
+        finally:
+            llm.shutdown()
+        assert (calls["n"] > 0) == on
+    assert tokens[True] == tokens[False]
