@@ -110,3 +110,55 @@ def test_bad_configs_are_refused_by_name(config: Any, error: str) -> None:
 def test_multimodal_text_config_is_read() -> None:
     shape = shape_from_config({"text_config": BIG, "architectures": ["X"]})
     assert shape.num_layers == 60
+
+
+FP8_CONFIGS = [
+    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("quant", FP8_CONFIGS)
+def test_an_fp8_checkpoint_is_estimated_at_one_byte_per_projection_weight(
+    hub: str, quant: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 34B-class shape above does not fit an 80 GB H100 in bf16; its FP8 checkpoint (about
+    34 GB of projections) does, without engine.quantization: the estimate reads the checkpoint's
+    quantization_config, and equals the one for engine.quantization fp8."""
+    fp8_config = {**BIG, "quantization_config": quant}
+    monkeypatch.setattr(
+        _Hub, "files", {**_Hub.files, "/org/big-fp8/resolve/main/config.json": fp8_config}
+    )
+    spec = make_spec(
+        model={"source": "hf://org/big-fp8", "revision": "main"},
+        accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+    )
+    shapes = asyncio.run(ModelConfigSource(hub).shapes_for(spec, load_shape_catalog()))
+    shape = shapes.find("org/big-fp8")
+    assert shape is not None and shape.fp8_projections
+    memory = make_plan("s", "ns", spec, load_catalog(), shapes=shapes).memory  # no PlanError
+    assert memory is not None and memory.weights_bytes is not None
+    assert 30e9 < memory.weights_bytes < 40e9
+    flagged = make_spec(
+        model={"source": "hf://org/big-fp8", "revision": "main"},
+        accelerator={"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+        engine={"type": "davit", "version": "0.1.0", "quantization": "fp8"},
+    )
+    with_flag = make_plan("s", "ns", flagged, load_catalog(), shapes=shapes).memory
+    assert with_flag is not None
+    assert (with_flag.weights_bytes, with_flag.kv_cache_bytes) == (
+        memory.weights_bytes,
+        memory.kv_cache_bytes,
+    )
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [None, {"quant_method": "gptq", "bits": 4}, "fp8",
+     {"quant_method": "compressed-tensors",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}}],
+)  # fmt: skip
+def test_other_checkpoints_count_at_the_accelerator_dtype(quant: Any) -> None:
+    assert not shape_from_config({**BIG, "quantization_config": quant}).fp8_projections

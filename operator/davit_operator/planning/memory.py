@@ -73,6 +73,9 @@ class ModelShape(_Data):
     vocab_size: int = Field(ge=1)
     max_position_embeddings: int = Field(ge=1)
     tie_word_embeddings: bool = False
+    # The checkpoint stores its decoder projections in FP8 (config.json's quantization_config):
+    # one byte each whether or not engine.quantization asks for it.
+    fp8_projections: bool = False
 
     @property
     def num_parameters(self) -> int:
@@ -178,11 +181,31 @@ def shape_from_config(config: Any) -> ModelShape:
             vocab_size=int(config["vocab_size"]),
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            fp8_projections=_fp8_checkpoint(config.get("quantization_config")),
         )
     except KeyError as exc:
         raise ShapeError(f"config.json has no {exc.args[0]}") from None
     except (TypeError, ValueError, ValidationError) as exc:
         raise ShapeError(f"config.json: {exc}") from None
+
+
+def _fp8_checkpoint(quant: Any) -> bool:
+    """Whether config.json's quantization_config stores the projections in FP8: `quant_method:
+    fp8` (per tensor, channel or block), or compressed-tensors whose weights are 8-bit floats.
+    Anything else (absent, other schemes) counts as the accelerator dtype: the engine decides
+    whether it can serve it."""
+    if not isinstance(quant, dict):
+        return False
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return True
+    if method != "compressed-tensors" or not isinstance(quant.get("config_groups"), dict):
+        return False
+    groups = [g for g in quant["config_groups"].values() if isinstance(g, dict)]
+    weights = [g.get("weights") for g in groups]
+    return bool(weights) and all(
+        isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8 for w in weights
+    )
 
 
 def with_shape(catalog: ShapeCatalog, name: str, shape: ModelShape) -> ShapeCatalog:
@@ -223,15 +246,14 @@ class Precision:
     fp8_lm_head: bool = False
 
     @classmethod
-    def of(cls, spec: InferenceServiceSpec) -> Precision:
-        """engine.quantization fp8: one byte per projection weight; engine.kvCacheDtype fp8:
-        one byte per KV element; engine.lmHeadQuantization fp8: an LM head of one byte per
-        weight. (An FP8 checkpoint served without engine.quantization is estimated at the
-        accelerator dtype: larger, so the check stays on the safe side.)"""
+    def of(cls, spec: InferenceServiceSpec, shape: ModelShape | None = None) -> Precision:
+        """engine.quantization fp8, or a checkpoint whose shape says its projections are FP8
+        (`fp8_projections`, from its config.json): one byte per projection weight;
+        engine.kvCacheDtype fp8: one byte per KV element; engine.lmHeadQuantization fp8: an LM
+        head of one byte per weight."""
+        fp8 = spec.engine.quantization == "fp8" or (shape is not None and shape.fp8_projections)
         return cls(
-            projection_bytes=FP8_BYTES
-            if spec.engine.quantization == "fp8"
-            else ACCELERATOR_DTYPE_BYTES,
+            projection_bytes=FP8_BYTES if fp8 else ACCELERATOR_DTYPE_BYTES,
             kv_bytes=FP8_BYTES if spec.engine.kv_cache_dtype == "fp8" else ACCELERATOR_DTYPE_BYTES,
             fp8_lm_head=spec.engine.lm_head_quantization == "fp8",
         )
@@ -375,7 +397,7 @@ def preflight(
         return None  # an unknown draft shape too: the engine's profile counts it
     limits = effective_limits(spec, shape)
     tp = spec.parallelism.tensor
-    precision = Precision.of(spec)
+    precision = Precision.of(spec, shape)
     estimate = estimate_memory(shape, limits, device, tp, draft=draft, precision=precision)
     if estimate.fits:
         return estimate
