@@ -37,10 +37,12 @@ def check_fp8_device(device: torch.device, flag: str, value: str) -> None:
     """Raise ParamError naming `flag` when FP8 cannot run on `device` (see the module)."""
     if device.type != "cuda":
         return
+    # flag "model": the checkpoint itself is FP8, there is no flag to remove
+    remedy = "serve an unquantized checkpoint of the model" if flag == "model" else f"remove {flag}"
     if torch.version.hip is not None:
         raise ParamError(
             flag,
-            f"{value} is not implemented on ROCm by this engine version; remove {flag} (or "
+            f"{value} is not implemented on ROCm by this engine version; {remedy} (or "
             "serve with engine type vllm)",
         )
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -50,5 +52,5 @@ def check_fp8_device(device: torch.device, flag: str, value: str) -> None:
         raise ParamError(
             flag,
             f"{value} needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, "
-            f"Blackwell); {name} is {major}.{minor}: remove {flag}",
+            f"Blackwell); {name} is {major}.{minor}: {remedy}",
         )

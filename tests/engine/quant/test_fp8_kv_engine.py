@@ -77,7 +77,11 @@ def test_fp8_is_refused_on_gpus_without_it(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ParamError, match="compute capability 8.9 or newer.*A100.*8.0") as err:
         check_fp8_device(torch.device("cuda", 0), "--kv-cache-dtype", "fp8")
-    assert err.value.param == "--kv-cache-dtype"
+    assert err.value.param == "--kv-cache-dtype" and "remove --kv-cache-dtype" in err.value.message
+    # a checkpoint stored in FP8: no flag to remove
+    with pytest.raises(ParamError, match="8.0: serve an unquantized checkpoint") as err:
+        check_fp8_device(torch.device("cuda", 0), "model", "ckpt: fp8 quantization")
+    assert err.value.param == "model"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     check_fp8_device(torch.device("cuda", 0), "--quantization", "fp8")  # Hopper: accepted
     monkeypatch.setattr(torch.version, "hip", "6.2")
