@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from davit_engine.models.config import ARCHITECTURES, ModelConfig, WeightBlocks
@@ -64,19 +65,22 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        quantization=checkpoint_quantization(raw.get("quantization_config"), source),
-        weight_blocks=checkpoint_weight_blocks(raw.get("quantization_config"), source),
     )
+    quantization, weight_blocks = checkpoint_quantization(raw.get("quantization_config"), source)
+    config = dataclasses.replace(config, quantization=quantization, weight_blocks=weight_blocks)
     config.validate(source)
     return config
 
 
-def checkpoint_quantization(quant: Any, source: str) -> str | None:
-    """ "fp8" for FP8 checkpoints in the common safetensors layouts (float8_e4m3fn projection
-    weights with a per-tensor, per-channel or per-block scale beside each), None without a
-    quantization_config; ParamError naming the field for any other scheme."""
+def checkpoint_quantization(quant: Any, source: str) -> tuple[str | None, WeightBlocks | None]:
+    """("fp8", blocks) for FP8 checkpoints in the common safetensors layouts (float8_e4m3fn
+    projection weights with a per-tensor, per-channel or per-block scale beside each; `blocks`
+    None unless per block: `quant_method: fp8` with `weight_block_size`, scales in
+    `weight_scale_inv`, or compressed-tensors' block strategy, scales in `weight_scale`),
+    (None, None) without a quantization_config; ParamError naming the field for any other
+    scheme or a malformed block size."""
     if quant is None:
-        return None
+        return None, None
     field = f"{source}: quantization_config"
     if not isinstance(quant, dict):
         raise ParamError("model", f"{field} must be an object")
@@ -85,12 +89,11 @@ def checkpoint_quantization(quant: Any, source: str) -> str | None:
         if quant.get("fmt", "e4m3") != "e4m3":
             raise ParamError("model", f"{field}.fmt {quant['fmt']!r}: only e4m3 is supported")
         _check_ignored(quant.get("ignored_layers") or quant.get("modules_to_not_convert"), field)
-        checkpoint_weight_blocks(quant, source)
-        return "fp8"
+        return "fp8", _fp8_weight_blocks(quant, field)
     if method == "compressed-tensors":
-        _compressed_tensors_weights(quant, field)
+        blocks = _compressed_tensors_weights(quant, field)
         _check_ignored(quant.get("ignore"), field)
-        return "fp8"
+        return "fp8", blocks
     raise ParamError(
         "model",
         f"{field}.quant_method {method!r} is not supported; supported: fp8 and "
@@ -99,30 +102,17 @@ def checkpoint_quantization(quant: Any, source: str) -> str | None:
     )
 
 
-def checkpoint_weight_blocks(quant: Any, source: str) -> WeightBlocks | None:
-    """The block size and scale tensor name of an FP8 checkpoint with block-wise scales
-    (`quant_method: fp8` with `weight_block_size`, scales in `weight_scale_inv`; or
-    compressed-tensors' block strategy with `block_structure`, scales in `weight_scale`); None
-    for other checkpoints. ParamError naming the field for a malformed block size."""
-    if not isinstance(quant, dict):
+def _fp8_weight_blocks(quant: dict[str, Any], field: str) -> WeightBlocks | None:
+    size = quant.get("weight_block_size")
+    if size is None:
         return None
-    field = f"{source}: quantization_config"
-    method = quant.get("quant_method")
-    if method == "fp8":
-        size = quant.get("weight_block_size")
-        if size is None:
-            return None
-        rows, cols = _block_size(size, f"{field}.weight_block_size")
-        scale_fmt = quant.get("scale_fmt", "float")
-        if scale_fmt != "float":
-            raise ParamError(
-                "model",
-                f"{field}.scale_fmt {scale_fmt!r}: only float block scales are supported",
-            )
-        return WeightBlocks(rows, cols, ".weight_scale_inv")
-    if method == "compressed-tensors":
-        return _compressed_tensors_weights(quant, field)
-    return None
+    rows, cols = _block_size(size, f"{field}.weight_block_size")
+    scale_fmt = quant.get("scale_fmt", "float")
+    if scale_fmt != "float":
+        raise ParamError(
+            "model", f"{field}.scale_fmt {scale_fmt!r}: only float block scales are supported"
+        )
+    return WeightBlocks(rows, cols, ".weight_scale_inv")
 
 
 def _block_size(size: Any, field: str) -> tuple[int, int]:

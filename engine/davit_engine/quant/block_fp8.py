@@ -52,8 +52,7 @@ def channel_scales_from_blocks(
         nonzero = torch.zeros(r1 - r0, padded, dtype=torch.bool, device=weight.device)
         nonzero[:, :k] = codes != 0
         used = nonzero.view(r1 - r0, col_blocks, blocks.cols).any(dim=2)  # [b, col_blocks]
-        row_scale = torch.where(used, row_scales[None, :], torch.zeros_like(row_scales)[None, :])
-        chosen = row_scale.amax(dim=1)
+        chosen = (used * row_scales[None, :]).amax(dim=1)  # scales are >= 0
         chosen = torch.where(chosen > 0, chosen, torch.ones_like(chosen))  # an all-zero row
         requantized = (values / chosen[:, None]).clamp(-FP8_MAX, FP8_MAX)
         out[r0:r1] = requantized.to(FP8_DTYPE)

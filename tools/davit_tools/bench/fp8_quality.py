@@ -189,9 +189,15 @@ def block_quantize(weight: torch.Tensor, rows: int, cols: int) -> tuple[torch.Te
     padded[:n, :k] = weight.float()
     amax = padded.view(nb, rows, kb, cols).abs().amax(dim=(1, 3))
     scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    full = scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    full = _per_value(scales, rows, cols, (n, k))
     codes = (weight.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
     return codes, scales
+
+
+def _per_value(scales: torch.Tensor, rows: int, cols: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Block scales [ceil(N / rows), ceil(K / cols)] spread to one per value [N, K]."""
+    n, k = shape
+    return scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
 
 
 def write_block_fp8_checkpoint(
@@ -223,9 +229,9 @@ def write_block_fp8_checkpoint(
         codes, scales = block_quantize(tensor, rows, cols)
         quantized[name] = codes
         quantized[name.removesuffix(".weight") + suffix] = scales
-        n, k = codes.shape
-        full = scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
-        dequantized[name] = codes.float() * full
+        dequantized[name] = codes.float() * _per_value(
+            scales, rows, cols, (codes.shape[0], codes.shape[1])
+        )
     raw = model_config_to_hf(config)
     if layout == "fp8":
         raw["quantization_config"] = {

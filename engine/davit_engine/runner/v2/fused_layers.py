@@ -220,14 +220,18 @@ def _fp8_projections(layer: LlamaDecoderLayer) -> tuple[Fp8Linear, ...] | None:
     return cast(tuple[Fp8Linear, ...], found)
 
 
-def _norm_chain(layers: list[LlamaDecoderLayer], hidden: torch.Tensor) -> bool:
-    """Whether this step runs the layers with the norms folded into the products (the switch,
-    one token, a GPU or Triton's interpreter, every layer's projections FP8)."""
+def _norm_chain(
+    layers: list[LlamaDecoderLayer], hidden: torch.Tensor
+) -> list[tuple[Fp8Linear, ...]] | None:
+    """Every layer's FP8 projections (`_fp8_projections`) where this step runs the layers with
+    the norms folded into the products (the switch, one token, a GPU or Triton's interpreter,
+    every layer's projections FP8); None otherwise."""
     if not NORM_IN_ONE_ROW_PRODUCTS or hidden.shape[0] != 1:
-        return False
+        return None
     if hidden.device.type != "cuda" and not interpreted():
-        return False
-    return all(_fp8_projections(layer) is not None for layer in layers)
+        return None
+    found = [_fp8_projections(layer) for layer in layers]
+    return None if None in found else cast(list[tuple[Fp8Linear, ...]], found)
 
 
 def _fused_model(model: LlamaForCausalLM) -> Any:
@@ -253,12 +257,12 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
             return model.model.norm(residual)
         first = layers[0].input_layernorm
         x = rms_norm(residual, first.weight, first.eps)
-        if (
-            _norm_chain(layers, residual)
-            and mlp_blocks.get(layers, norms_after_mlp, residual) is None
-        ):
-            return _norm_chain_forward(layers, norms_after_mlp, x, residual, rope, kv_caches, meta)
         blocks = mlp_blocks.get(layers, norms_after_mlp, residual)
+        chain = _norm_chain(layers, residual) if blocks is None else None
+        if chain is not None:
+            return _norm_chain_forward(
+                layers, chain, norms_after_mlp, x, residual, rope, kv_caches, meta
+            )
         for i, (layer, kv_cache, next_norm) in enumerate(
             zip(layers, kv_caches, norms_after_mlp, strict=True)
         ):
@@ -278,6 +282,7 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
 
 def _norm_chain_forward(
     layers: list[LlamaDecoderLayer],
+    projections: list[tuple[Fp8Linear, ...]],  # each layer's q/k/v, o, gate/up, down
     norms_after_mlp: list[RMSNorm],
     x: torch.Tensor,  # [1, hidden]: the first layer's input, normed
     residual: torch.Tensor,  # [1, hidden], updated in place
@@ -290,10 +295,9 @@ def _norm_chain_forward(
     squares: torch.Tensor | None = None  # None: x is normed (the first layer)
     eps = 0.0
     last = len(layers) - 1
-    for i, (layer, kv_cache, next_norm) in enumerate(
-        zip(layers, kv_caches, norms_after_mlp, strict=True)
+    for i, (layer, (qkv_proj, o_proj, gate_up, down), kv_cache, next_norm) in enumerate(
+        zip(layers, projections, kv_caches, norms_after_mlp, strict=True)
     ):
-        qkv_proj, o_proj, gate_up, down = cast(tuple[Fp8Linear, ...], _fp8_projections(layer))
         attn = layer.self_attn
         qkv = None
         if squares is not None:
