@@ -225,6 +225,19 @@ def _norm_rope_heads(  # type: ignore[no-untyped-def]
     src = x_ptr + token.to(tl.int64) * stride_t + heads * stride_h + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+
+
+@triton.jit
+def norm_rope_halves(  # type: ignore[no-untyped-def]
+    x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Heads given as their halves (fp32 values of DTYPE, `[rows, HALF]` each): normed
+    (optionally) and rotated, each rounding where the torch layers round. One definition for
+    the rotary kernel and the q/k/v product that finishes its heads itself
+    (`fp8_gemv.fp8_gemv_rope`), so both give the same numbers."""
+    dims = tl.arange(0, HALF)[None, :]
     if HAS_NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), rounded like the torch layer
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         inv = tl.rsqrt(variance + eps)[:, None]

@@ -6,7 +6,8 @@ key/value load and a decode step still fills a 16-row matrix tile. Keys are gath
 through the block table, causally (a new token at absolute position p sees keys at positions
 <= p, the cached prefix included). For long contexts with few programs (decode at small batch)
 the key range is split over `num_splits` programs whose partial results a second kernel merges
-by their log-sum-exp.
+by their log-sum-exp, or (`MERGE_IN_LAST_SPLIT`) the last of a run's split programs to finish
+merges in the attention kernel itself, told by a ticket counter in global memory.
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
 widened exactly to fp16 with the hardware conversion (sm_89+: one instruction per pair of
@@ -128,6 +129,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     num_q_tiles,
     num_requests,
     split_programs,
+    counter_ptr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -148,6 +150,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     Q_ROTATED: tl.constexpr,
     F16_DOT: tl.constexpr,
     EARLY: tl.constexpr,
+    MERGE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # EARLY: the step's metadata (query offsets, lengths, block tables) and the scales are read
@@ -299,6 +303,85 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    if MERGE:  # every program takes a ticket, its q tile empty or its split without keys too
+        _merge_in_last_split(
+            part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, pid * NUM_KV_HEADS + kv_head,
+            q_begin, q_len, q_tile, kv_head, tiles_per_split, num_tiles, stride_ot, stride_oh,
+            NUM_Q_HEADS, NUM_SPLITS, SPLITS_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM,
+            BLOCK_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def _merge_in_last_split(  # type: ignore[no-untyped-def]
+    part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, idx, q_begin, q_len, q_tile, kv_head,
+    tiles_per_split, num_tiles, stride_ot, stride_oh, NUM_Q_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """After a split program stored its partial results: its ticket at the counter `idx` of its
+    (request, q tile, KV head), and in the last of the NUM_SPLITS to arrive, the merge of their
+    rows into `out` (`_merge_splits_kernel`'s weights and rounding, the splits summed in order)
+    and the counter back to zero for the next launch.
+
+    The release of the ticket's add follows a barrier of the program's threads, so it covers
+    every thread's stores; the last program's add acquires all of them. It reads the partials
+    through L2 (`.cg`): L1 is not coherent across multiprocessors."""
+    tl.debug_barrier()  # every thread's stores of the partials precede the release
+    ticket = tl.atomic_add(counter_ptr + idx, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        # Every other program of the run has arrived: none touches the counter again.
+        tl.atomic_xchg(counter_ptr + idx, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # the one thread's acquire precedes every thread's loads
+        if q_tile * BLOCK_Q < q_len:
+            rows = tl.arange(0, BLOCK_M)
+            tok = q_tile * BLOCK_Q + rows // GROUP_PAD
+            head_in_group = rows % GROUP_PAD
+            row_valid = (tok < q_len) & (head_in_group < GROUP)
+            q_head = kv_head * GROUP + head_in_group
+            dims = tl.arange(0, BLOCK_D)
+            dim_valid = dims < HEAD_DIM
+            part_base = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS
+            splits = tl.arange(0, SPLITS_PAD)
+            # lse: [BLOCK_M, SPLITS_PAD], -inf for a split without keys (or past NUM_SPLITS)
+            lse = tl.load(
+                part_lse_ptr + part_base[:, None] + splits[None, :],
+                mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m = tl.max(lse, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
+            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for split in range(NUM_SPLITS):
+                # Whether the split owned key tiles is the same for all rows (the run's tiles
+                # are the program's), so its rows load without waiting for their lse; a split
+                # without keys stored no partial output, and one row's -inf adds nothing.
+                begin = rows * 0 + split * tiles_per_split  # [BLOCK_M], one value
+                has_keys = begin < tl.minimum(begin + tiles_per_split, num_tiles)
+                split_lse = tl.load(
+                    part_lse_ptr + part_base + split,
+                    mask=row_valid,
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )
+                part = tl.load(
+                    part_out_ptr + (part_base + split)[:, None] * BLOCK_D + dims[None, :],
+                    mask=(row_valid & has_keys)[:, None] & dim_valid[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                w = tl.exp2(split_lse - m_safe)
+                merged += tl.where((split_lse > float("-inf"))[:, None], part * w[:, None], 0.0)
+            merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+            o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
+            tl.store(
+                out_ptr + o_offs + dims[None, :],
+                merged.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None] & dim_valid[None, :],
+            )
 
 
 @triton.jit
@@ -419,6 +502,14 @@ LOADS_BEFORE_WAIT = True
 # (medians of three), and the balanced FP8 decode was slower at 6 of 7 of W1's steps; a switch
 # so that a benchmark can run the engine each way.
 BALANCE_SPLITS = False
+# Whether a split attention's partial results are merged in the attention kernel, by the last
+# of each (request, q tile, KV head)'s split programs to finish (`_merge_in_last_split`), instead
+# of by a second kernel: at W2's decode (one request, 8 KV heads, 16 splits) that kernel is one
+# more launch a layer, 32 a step, each a few microseconds. Its programs take tickets from
+# counters kept per device (`_split_counters`); a launch that would have to make or grow them
+# inside a CUDA graph capture takes the two kernels. Off: not timed on a GPU yet. A switch so
+# that a benchmark can time both.
+MERGE_IN_LAST_SPLIT = False
 # Waves per cache kind: the best of 2, 3 and 4 for both in the list-scheduling model of W1
 # (`python -m davit_tools.bench.split_model`: FP8 -14.6%, bf16 -5.5% against the engine's
 # proportional splits; bench notes, between runs 23 and 24).
@@ -428,6 +519,36 @@ BALANCED_WAVES = {"model": 3.0, "fp8": 3.0}
 _BALANCED_GRID_SLACK = 2
 # The fewest key tiles a balanced split owns (below, the program's fixed cost dominates).
 _MIN_BALANCED_SPLIT_TILES = 2
+
+
+# Ticket counters of `MERGE_IN_LAST_SPLIT`, one int32 per (program of the grid's first axis, KV
+# head), by (device type, index): zero, and zero again after every launch (the last program of
+# a run sets its counter back), so the next launch, a replayed CUDA graph's too, finds them so.
+# One array a device serves successive launches: a launch touches them only after its wait for
+# the kernel before (pdl.py), and starts only once the launch before it passed its own wait.
+_SPLIT_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+# Arrays replaced by larger ones: graphs captured with them still address them.
+_RETIRED_SPLIT_COUNTERS: list[torch.Tensor] = []
+_MIN_SPLIT_COUNTERS = 1 << 16
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """`device`'s ticket counters, at least `needed` of them (made or grown, zeroed, outside a
+    CUDA graph capture); None where they would have to be made or grown inside one (an
+    allocation made in a capture belongs to the graph's pool, not to the process). The V2
+    runner's eager warm-up makes them before its capture."""
+    key = (device.type, device.index)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is not None and counters.numel() >= needed:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if counters is not None:
+        _RETIRED_SPLIT_COUNTERS.append(counters)
+    size = max(_MIN_SPLIT_COUNTERS, triton.next_power_of_2(needed))
+    counters = torch.zeros(size, dtype=torch.int32, device=device)
+    _SPLIT_COUNTERS[key] = counters
+    return counters
 
 
 def _cache_kind(fp8: bool) -> str:
@@ -508,7 +629,8 @@ def paged_attention(
 
     `num_splits > 1` splits every request's key range (use it for decode at small batch); the
     launch shape depends only on the batch size, `max_query_len` and `num_splits`, so the call is
-    safe to capture in a CUDA graph.
+    safe to capture in a CUDA graph (with `MERGE_IN_LAST_SPLIT`, merging in the kernel where an
+    eager call on the device made the ticket counters first, else with the merge kernel).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -576,6 +698,9 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     grid = (num_requests * num_q_tiles, num_kv_heads, num_splits)
+    counters = None
+    if MERGE_IN_LAST_SPLIT and num_splits > 1:
+        counters = _split_counters(q.device, grid[0] * num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         kv_cache[0],
@@ -597,6 +722,7 @@ def paged_attention(
         num_q_tiles,
         num_requests,
         split_programs if balanced else 1,
+        counters if counters is not None else seq_lens,  # unused without the merge
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -617,12 +743,14 @@ def paged_attention(
         Q_ROTATED=queries_rotated,
         F16_DOT=fp8 and q.dtype != torch.float32,
         EARLY=LOADS_BEFORE_WAIT,
+        MERGE=counters is not None,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **limits,
         **pdl_launch(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_out,
             part_lse,

@@ -549,3 +549,221 @@ def test_loads_before_the_wait_real_shapes_in_a_graph(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+class _Refused:
+    """Stands in for the merge kernel where the attention kernel must merge alone."""
+
+    def __getitem__(self, grid: object) -> None:
+        raise AssertionError("the split merge kernel was launched")
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    from davit_engine.kernels import paged_attention as pa
+
+    return pa._SPLIT_COUNTERS[(device.type, device.index)]
+
+
+def _assert_merges_agree(folded: torch.Tensor, two_kernels: torch.Tensor) -> None:
+    """The merge in the last split against the merge kernel: the same weights, the splits
+    summed in another order, so equal to float32 rounding, and the output dtype's rounding of
+    that (one unit in the last place)."""
+    rtol = 1e-5 if folded.dtype == torch.float32 else torch.finfo(folded.dtype).eps
+    torch.testing.assert_close(folded.float(), two_kernels.float(), rtol=rtol, atol=1e-6)
+
+
+def _merged_in_last_split(
+    monkeypatch: pytest.MonkeyPatch, run: Callable[[torch.Tensor], None], out: torch.Tensor
+) -> torch.Tensor:
+    """`run(out)` with the merge kernel (`MERGE_IN_LAST_SPLIT` off), then twice with the merge
+    in the attention kernel (the merge kernel refused), into `out` filled with NaN each time:
+    both merged results agree with the merge kernel's, and every ticket counter is back at zero
+    after each call (so the second call started from zero). The merge kernel's result."""
+    from davit_engine.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", False)
+    out.fill_(float("nan"))
+    run(out)
+    two_kernels = out.clone()
+    assert not two_kernels.isnan().any()
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", True)
+    monkeypatch.setattr(pa, "_merge_splits_kernel", _Refused())
+    for _ in range(2):
+        out.fill_(float("nan"))
+        run(out)
+        assert not _split_counters(out.device).any()
+        assert not out.isnan().any()
+        _assert_merges_agree(out, two_kernels)
+    return two_kernels
+
+
+MERGE_CASES = [
+    # (q_lens, seq_lens): decode rows, one of 2 keys (one key tile: the other splits own
+    # none) and one of 300 (five tiles of 64: in 4 splits the last owns none); mixed; prefill
+    # over a cached prefix; two q tiles of 32 tokens, the second request's second one empty
+    ([1, 1, 1, 1], [2, 9, 77, 300]),
+    ([1, 7, 1, 12], [33, 7, 2, 50]),
+    ([6, 3], [30, 11]),
+    ([40, 3], [45, 70]),
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", MERGE_CASES)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_splits", [3, 4])
+def test_merge_in_last_split(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    q_lens: list[int],
+    seq_lens: list[int],
+    fp8: bool,
+    num_splits: int,
+) -> None:
+    """`MERGE_IN_LAST_SPLIT`: the last split program of each (request, q tile, KV head) to
+    finish merges the run's partial results, for decode, mixed and prefill batches over
+    model-dtype and FP8 caches: the reference's attention, the merge kernel's result, and the
+    ticket counters zero again after each launch."""
+    torch.manual_seed(sum(seq_lens) + num_splits + fp8)
+    if fp8:
+        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+            device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32
+        )
+    else:
+        q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
+        kv_scale = None
+    out = torch.empty_like(q)
+    two_kernels = _merged_in_last_split(monkeypatch, lambda out: paged_attention(
+        q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, out, kv_scale
+    ), out)  # fmt: skip
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < 1e-5
+    assert _rel_err(two_kernels, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_in_last_split_with_balanced_splits(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Balanced splits (the run of key tiles the same for every request: most of a short
+    request's splits own none) merged in the last split, over an FP8 cache."""
+    torch.manual_seed(33)
+    q_lens, seq_lens = [1, 1, 1, 1, 1], [5, 260, 33, 1, 120]
+    q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+        device, q_lens, seq_lens, (4, 2), 16, 4, dtype
+    )
+    out = torch.empty_like(q)
+    two_kernels = _merged_in_last_split(monkeypatch, lambda out: paged_attention(
+        q, cache, tables, lens, qsl, 1, 0.25, 6, out, kv_scale, split_programs=10
+    ), out)  # fmt: skip
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert _rel_err(two_kernels, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_merge_in_last_split_unsplit_takes_no_counters(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One split has nothing to merge: the kernel stores its output as before and no counter
+    array is made."""
+    from davit_engine.kernels import paged_attention as pa
+
+    torch.manual_seed(34)
+    q, cache, tables, lens, qsl = _batch(device, [1, 5], [9, 20], (4, 2), 16, 4, torch.float32)
+    monkeypatch.setattr(pa, "_SPLIT_COUNTERS", {})
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", True)
+    out = paged_attention(q, cache, tables, lens, qsl, 5, 0.25)
+    assert not pa._SPLIT_COUNTERS
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25)
+    assert _rel_err(out, ref) < 1e-5
+
+
+def _w2_decode(
+    device: torch.device, fp8: bool, seq_lens: list[int]
+) -> tuple[Callable[[torch.Tensor], None], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W2's decode attention (32 query heads over 8 KV heads of 128, pages of 16, bf16
+    queries; an FP8 cache's queries rotated, as the V2 runner launches it) in 16 splits: the
+    launch into an output, its inputs the queries and the lengths (block tables with room for
+    a page more), and the reference's attention."""
+    heads, dim = (32, 8), 128
+    q_lens = [1] * len(seq_lens)
+    if fp8:
+        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
+            device, q_lens, seq_lens, heads, dim, 16, torch.bfloat16
+        )
+    else:
+        q, cache, tables, lens, qsl = _batch(
+            device, q_lens, seq_lens, heads, dim, 16, torch.bfloat16
+        )
+        kv_scale = None
+    q = q.contiguous()
+    rotation = hadamard(dim, device)  # made outside any capture (a copy from the host)
+
+    def run(out: torch.Tensor) -> None:
+        q_in = (q.float() @ rotation).to(q.dtype) if fp8 else q
+        paged_attention(
+            q_in, cache, tables, lens, qsl, 1, dim**-0.5, 16, out, kv_scale, queries_rotated=fp8
+        )
+
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, dim**-0.5, kv_scale)
+    return run, q, lens, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("seq_lens", [[1152], [1152, 7, 600, 2000]])
+def test_merge_in_last_split_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, fp8: bool, seq_lens: list[int]
+) -> None:
+    """W2's decode (one request of 1,152 keys in 16 splits: 8 runs of 16 programs), and
+    requests of 7 to 2,000 keys, bf16 and FP8 caches, merged in the last split."""
+    torch.manual_seed(60 + len(seq_lens) + fp8)
+    run, q, _, ref = _w2_decode(device, fp8, seq_lens)
+    out = torch.empty_like(q)
+    two_kernels = _merged_in_last_split(monkeypatch, run, out)
+    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(two_kernels, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("counters_before_capture", [True, False])
+def test_merge_in_last_split_in_a_graph(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, fp8: bool,
+    counters_before_capture: bool,
+) -> None:  # fmt: skip
+    """W2's decode captured in a CUDA graph with the merge in the last split after an eager
+    warm-up (which makes the ticket counters), replayed three times with new queries and one
+    more key each time: each the eager merge kernel's result, the counters zero after each
+    replay. Without counters before the capture (the warm-up took the merge kernel), the
+    capture takes the merge kernel too and makes none."""
+    from davit_engine.kernels import paged_attention as pa
+
+    torch.manual_seed(70 + fp8)
+    run, q, lens, _ = _w2_decode(device, fp8, [1152])
+    steps = [(torch.randn_like(q), 1152 + i) for i in range(3)]
+    monkeypatch.setattr(pa, "_SPLIT_COUNTERS", {})
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", False)
+    out = torch.empty_like(q)
+    expected = []
+    for values, seq_len in steps:  # eager, the merge kernel
+        q.copy_(values)
+        lens.fill_(seq_len)
+        run(out)
+        expected.append(out.clone())
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", counters_before_capture)
+    run(out)  # the eager warm-up: compiles, and makes the counters where the switch is on
+    monkeypatch.setattr(pa, "MERGE_IN_LAST_SPLIT", True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    assert bool(pa._SPLIT_COUNTERS) == counters_before_capture
+    for (values, seq_len), want in zip(steps, expected, strict=True):
+        q.copy_(values)
+        lens.fill_(seq_len)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if counters_before_capture:
+            assert not _split_counters(device).any()
+        _assert_merges_agree(out, want)

@@ -106,6 +106,7 @@ TEST_PATHS = (
     "tests/engine/kernels/test_fp8.py",
     "tests/engine/kernels/test_fp8_linear.py",
     "tests/engine/kernels/test_fp8_gemv.py",
+    "tests/engine/kernels/test_fp8_gemv_rope.py",
     "tests/engine/kernels/test_kv_cache.py",
     "tests/engine/kernels/test_paged_attention.py",
     "tests/engine/kernels/test_layer_ops.py",
@@ -781,12 +782,40 @@ VARIANTS = {
         for base, quantization, kv in _BASES
     },
     # at one token, each residual add + RMSNorm between two FP8 products folded into them
-    # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS: 2 x layers - 1 launches fewer a step)
+    # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS: 2 x layers - 1 launches fewer a step; on by
+    # default since run 28), and as kernels of their own, as before
     "fp8-both-norm-chain": Variant(
         "fp8-both-norm-chain",
         "fp8",
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "NORM_IN_ONE_ROW_PRODUCTS", True),),
+    ),
+    "fp8-both-norm-kernels": Variant(
+        "fp8-both-norm-kernels",
+        "fp8",
+        "fp8",
+        (("davit_engine.runner.v2.fused_layers", "NORM_IN_ONE_ROW_PRODUCTS", False),),
+    ),
+    # at one token, the rotary kernel's work done by the FP8 q/k/v product's last program of
+    # each head (fused_layers.ROPE_IN_QKV_PRODUCT: one launch fewer a layer)
+    "fp8-both-rope-in-qkv": Variant(
+        "fp8-both-rope-in-qkv",
+        "fp8",
+        "fp8",
+        (("davit_engine.runner.v2.fused_layers", "ROPE_IN_QKV_PRODUCT", True),),
+    ),
+    # split decodes merged by each run's last split program (paged_attention.MERGE_IN_LAST_SPLIT)
+    "fp8-both-merge-in-split": Variant(
+        "fp8-both-merge-in-split",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.paged_attention", "MERGE_IN_LAST_SPLIT", True),),
+    ),
+    "fp8-kv-merge-in-split": Variant(
+        "fp8-kv-merge-in-split",
+        None,
+        "fp8",
+        (("davit_engine.kernels.paged_attention", "MERGE_IN_LAST_SPLIT", True),),
     ),
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
