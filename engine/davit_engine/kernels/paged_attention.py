@@ -322,8 +322,14 @@ def _merge_in_last_split(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """After a split program stored its partial results: its ticket at the counter `idx` of its
     (request, q tile, KV head), and in the last of the NUM_SPLITS to arrive, the merge of their
-    rows into `out` (`_merge_splits_kernel`'s weights and rounding, the splits summed in order)
-    and the counter back to zero for the next launch.
+    rows into `out` and the counter back to zero for the next launch.
+
+    The merge takes one (token, query head) row at a time with all its splits in one load,
+    `_merge_splits_kernel`'s arithmetic: at decode a tile has one token, so its GROUP rows are
+    GROUP round trips to L2 (not one per split). A split without key tiles stored no partial
+    output and is not read; whether a split has keys is the same for every row (the run's key
+    tiles are the program's), so the partials load beside their log-sum-exps instead of after
+    them.
 
     The release of the ticket's add follows a barrier of the program's threads, so it covers
     every thread's stores; the last program's add acquires all of them. It reads the partials
@@ -334,54 +340,35 @@ def _merge_in_last_split(  # type: ignore[no-untyped-def]
         # Every other program of the run has arrived: none touches the counter again.
         tl.atomic_xchg(counter_ptr + idx, 0, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # the one thread's acquire precedes every thread's loads
-        if q_tile * BLOCK_Q < q_len:
-            rows = tl.arange(0, BLOCK_M)
-            tok = q_tile * BLOCK_Q + rows // GROUP_PAD
-            head_in_group = rows % GROUP_PAD
-            row_valid = (tok < q_len) & (head_in_group < GROUP)
-            q_head = kv_head * GROUP + head_in_group
-            dims = tl.arange(0, BLOCK_D)
-            dim_valid = dims < HEAD_DIM
-            part_base = ((q_begin + tok).to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS
-            splits = tl.arange(0, SPLITS_PAD)
-            # lse: [BLOCK_M, SPLITS_PAD], -inf for a split without keys (or past NUM_SPLITS)
-            lse = tl.load(
-                part_lse_ptr + part_base[:, None] + splits[None, :],
-                mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m = tl.max(lse, 1)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for split in range(NUM_SPLITS):
-                # Whether the split owned key tiles is the same for all rows (the run's tiles
-                # are the program's), so its rows load without waiting for their lse; a split
-                # without keys stored no partial output, and one row's -inf adds nothing.
-                begin = rows * 0 + split * tiles_per_split  # [BLOCK_M], one value
-                has_keys = begin < tl.minimum(begin + tiles_per_split, num_tiles)
-                split_lse = tl.load(
-                    part_lse_ptr + part_base + split,
-                    mask=row_valid,
-                    other=float("-inf"),
-                    cache_modifier=".cg",
-                )
-                part = tl.load(
-                    part_out_ptr + (part_base + split)[:, None] * BLOCK_D + dims[None, :],
-                    mask=(row_valid & has_keys)[:, None] & dim_valid[None, :],
+        splits = tl.arange(0, SPLITS_PAD)
+        begin = splits * tiles_per_split
+        has_keys = (splits < NUM_SPLITS) & (begin < tl.minimum(begin + tiles_per_split, num_tiles))
+        dims = tl.arange(0, BLOCK_D)
+        first_tok = q_tile * BLOCK_Q
+        last_tok = tl.minimum(first_tok + BLOCK_Q, q_len)
+        for tok in range(first_tok, last_tok):
+            for head_in_group in range(GROUP):
+                q_head = kv_head * GROUP + head_in_group
+                token = (q_begin + tok).to(tl.int64)
+                base = (token * NUM_Q_HEADS + q_head) * NUM_SPLITS
+                lse = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS,
+                              other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+                parts = tl.load(
+                    part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
+                    mask=has_keys[:, None] & (dims[None, :] < HEAD_DIM),
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                w = tl.exp2(split_lse - m_safe)
-                merged += tl.where((split_lse > float("-inf"))[:, None], part * w[:, None], 0.0)
-            merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-            o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh
-            tl.store(
-                out_ptr + o_offs + dims[None, :],
-                merged.to(out_ptr.dtype.element_ty),
-                mask=row_valid[:, None] & dim_valid[None, :],
-            )
+                m = tl.max(lse, 0)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                w = tl.exp2(lse - m_safe)  # 0 for a split without keys (its lse is -inf)
+                total = tl.sum(w, 0)
+                merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+                tl.store(
+                    out_ptr + token * stride_ot + q_head * stride_oh + dims,
+                    merged.to(out_ptr.dtype.element_ty),
+                    mask=dims < HEAD_DIM,
+                )
 
 
 @triton.jit
