@@ -781,15 +781,9 @@ VARIANTS = {
         )
         for base, quantization, kv in _BASES
     },
-    # at one token, each residual add + RMSNorm between two FP8 products folded into them
-    # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS: 2 x layers - 1 launches fewer a step; on by
-    # default since run 28), and as kernels of their own, as before
-    "fp8-both-norm-chain": Variant(
-        "fp8-both-norm-chain",
-        "fp8",
-        "fp8",
-        (("davit_engine.runner.v2.fused_layers", "NORM_IN_ONE_ROW_PRODUCTS", True),),
-    ),
+    # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
+    # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
+    # 2 x layers - 1 launches fewer a step)
     "fp8-both-norm-kernels": Variant(
         "fp8-both-norm-kernels",
         "fp8",
