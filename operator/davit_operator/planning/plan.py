@@ -30,10 +30,11 @@ from davit_operator.planning.memory import (
     load_shape_catalog,
     preflight,
     profile_identity,
+    shape_for,
     with_memory,
 )
 from davit_operator.planning.placement import Fit, NodeFacts, Placement, check_fit, plan_placement
-from davit_operator.planning.precision import check_fp8_accelerator
+from davit_operator.planning.precision import check_fp8_accelerator, check_fp8_checkpoint
 from davit_operator.planning.runner import SelectedRunner, select_runner
 
 
@@ -81,6 +82,7 @@ def make_plan(
     image = resolve_image(spec, catalog)
     check_capabilities(spec, catalog)
     check_fp8_accelerator(spec, catalog)
+    check_fp8_checkpoint(spec, catalog, shape_for(spec, shapes or default_shapes()))
     try:
         runner = select_runner(spec, catalog, image.variant)
     except PlanError as refused:

@@ -5,6 +5,12 @@ Planning, not CEL: the facts live in the versioned catalog (`accelerators.yaml`)
 operator loads at startup, while the CRD's rules are generated from the API types; a copy of
 the catalog in CEL would drift from it. A product the catalog does not record passes: the
 engine itself refuses FP8 at startup on a device without it (naming the flag).
+
+A checkpoint that is FP8 itself (its shape says so: config.json's quantization_config, or the
+shape catalog's `fp8Projections`) is refused the same way for the Davit engine, which serves
+FP8 weights only on an accelerator with FP8, so the refusal comes at planning and not from a
+crash-looping pod. Not for vLLM: whether a vLLM release serves FP8 checkpoints without FP8
+arithmetic (weight-only kernels) was not checked against a release here, so its engine decides.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog
 from davit_operator.planning.errors import PlanError
+from davit_operator.planning.memory import ModelShape
 
 REASON = "UnsupportedByAccelerator"
 
@@ -34,10 +41,27 @@ def check_fp8_accelerator(spec: InferenceServiceSpec, catalog: Catalog) -> None:
     fields = fp8_fields(spec)
     if not fields:
         return
+    lacking = _lacking(spec, catalog)
+    if lacking is None:
+        return
+    which, instead = lacking
+    raise PlanError(
+        field=fields[0],
+        value="fp8",
+        reason=REASON,
+        condition="",
+        message=f"{' and '.join(f'{f} fp8' for f in fields)} need FP8 (e4m3) support, which "
+        f"the catalog records {which} as lacking; remove {' and '.join(fields)}{instead}",
+    )
+
+
+def _lacking(spec: InferenceServiceSpec, catalog: Catalog) -> tuple[str, str] | None:
+    """(the catalog's words for the spec's accelerator, the alternatives clause) when the
+    catalog records it (its product, else its vendor) as lacking FP8; None otherwise."""
     accelerator = spec.accelerator
     vendor = catalog.accelerators.vendors[accelerator.vendor]
     if vendor.supports_fp8(accelerator.product) is not False:
-        return
+        return None
     which = (
         f"accelerator.product {accelerator.product}"
         if accelerator.product is not None and accelerator.product in vendor.fp8
@@ -48,11 +72,29 @@ def check_fp8_accelerator(spec: InferenceServiceSpec, catalog: Catalog) -> None:
     instead = (
         f", or set accelerator.product to one with FP8 ({', '.join(products)})" if products else ""
     )
+    return which, instead
+
+
+def check_fp8_checkpoint(
+    spec: InferenceServiceSpec, catalog: Catalog, shape: ModelShape | None
+) -> None:
+    """Raise PlanError (UnsupportedByAccelerator) naming model.source when the Davit engine
+    would serve an FP8 checkpoint (`shape.fp8_projections`) on an accelerator the catalog
+    records as lacking FP8. A spec that also sets an FP8 field was refused already, by its
+    field (`check_fp8_accelerator`)."""
+    if spec.engine.type != "davit" or shape is None or not shape.fp8_projections:
+        return
+    lacking = _lacking(spec, catalog)
+    if lacking is None:
+        return
+    which, instead = lacking
     raise PlanError(
-        field=fields[0],
-        value="fp8",
+        field="model.source",
+        value=spec.model.source,
         reason=REASON,
         condition="",
-        message=f"{' and '.join(f'{f} fp8' for f in fields)} need FP8 (e4m3) support, which "
-        f"the catalog records {which} as lacking; remove {' and '.join(fields)}{instead}",
+        message=f"model.source {spec.model.source} is an FP8 checkpoint (its projections are "
+        f"stored in e4m3), which the Davit engine serves only with FP8 (e4m3) support, and the "
+        f"catalog records {which} as lacking it; serve an unquantized checkpoint of the "
+        f"model{instead}",
     )

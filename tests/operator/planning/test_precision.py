@@ -224,3 +224,57 @@ def test_estimate_counts_an_fp8_lm_head(shape_name: str) -> None:
         assert with_head - fp8 == head + 4 * shape.vocab_size
     else:
         assert fp8 - with_head == head - 4 * shape.vocab_size
+
+
+def _shapes_with_fp8_checkpoint() -> Any:
+    """The packaged shapes plus `llama-3.1-8b-fp8`: Llama-3.1-8B's shape marked as an FP8
+    checkpoint (`fp8Projections`, as a config.json with quant_method fp8 makes it)."""
+    fp8 = SHAPES.shapes["llama-3.1-8b"].model_copy(
+        update={"fp8_projections": True, "names": ["example/llama-3.1-8b-fp8"]}
+    )
+    return SHAPES.model_copy(update={"shapes": {**SHAPES.shapes, "llama-3.1-8b-fp8": fp8}})
+
+
+FP8_CHECKPOINT = {"model": {"source": "random://llama-3.1-8b-fp8", "revision": None}}
+A100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}
+
+
+def test_fp8_checkpoint_on_an_accelerator_without_fp8_is_refused_for_davit() -> None:
+    """An FP8 checkpoint served by the Davit engine without any FP8 field: planning refuses it
+    on an A100, naming model.source and the products that have FP8, before any pod (the engine
+    would refuse it at startup); an unquantized checkpoint there and the FP8 one on an H200
+    plan."""
+    shapes = _shapes_with_fp8_checkpoint()
+    with pytest.raises(PlanError) as err:
+        make_plan(
+            "svc", "ns", make_spec(**FP8_CHECKPOINT, accelerator=A100), CATALOG, shapes=shapes
+        )
+    assert err.value.reason == "UnsupportedByAccelerator"
+    assert err.value.field == "model.source"
+    assert err.value.value == "random://llama-3.1-8b-fp8"
+    assert "FP8 checkpoint" in err.value.message and "NVIDIA-H200" in err.value.message
+    assert "unquantized checkpoint" in err.value.message
+    make_plan("svc", "ns", make_spec(**RANDOM_8B, accelerator=A100), CATALOG, shapes=shapes)
+    h200 = {"vendor": "nvidia", "product": "NVIDIA-H200"}
+    plan = make_plan("svc", "ns", make_spec(**FP8_CHECKPOINT, accelerator=h200), CATALOG,
+                     shapes=shapes)  # fmt: skip
+    assert plan.memory is not None
+    # an FP8 field as well: refused by that field, as before
+    with pytest.raises(PlanError) as by_field:
+        make_plan("svc", "ns", make_spec(**FP8_CHECKPOINT, **FP8_BOTH, accelerator=A100), CATALOG,
+                  shapes=shapes)  # fmt: skip
+    assert by_field.value.field == "engine.quantization"
+
+
+def test_fp8_checkpoint_is_left_to_vllm() -> None:
+    """vLLM releases decide for themselves (not checked against a release here): planned."""
+    plan = make_plan(
+        "svc", "ns",
+        make_spec(
+            model={"source": "random://example/llama-3.1-8b-fp8", "revision": None},
+            accelerator=A100,
+            engine={"type": "vllm", "version": "0.30.0"},
+        ),
+        CATALOG, shapes=_shapes_with_fp8_checkpoint(),
+    )  # fmt: skip
+    assert "--quantization" not in plan.invocation.args
