@@ -359,11 +359,7 @@ def _merge_in_last_split(  # type: ignore[no-untyped-def]
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                m = tl.max(lse, 0)
-                m_safe = tl.where(m == float("-inf"), 0.0, m)
-                w = tl.exp2(lse - m_safe)  # 0 for a split without keys (its lse is -inf)
-                total = tl.sum(w, 0)
-                merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+                merged = _merged_row(parts, lse)  # a split without keys weighs 0 (lse -inf)
                 tl.store(
                     out_ptr + token * stride_ot + q_head * stride_oh + dims,
                     merged.to(out_ptr.dtype.element_ty),
@@ -394,6 +390,18 @@ def _balanced_split_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _merged_row(parts, lse):  # type: ignore[no-untyped-def]
+    """One (token, query head) row's splits `parts` [splits, BLOCK_D] merged by their base-2
+    log-sum-exps `lse` [splits] (-inf: a split without keys, weight 0), in float32; shared by
+    the merge kernel and the merge in the last split, so both compute it alike."""
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    return tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+
+
+@triton.jit
 def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,
     part_lse_ptr,
@@ -414,17 +422,13 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     split_valid = splits < NUM_SPLITS
     base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + splits, mask=split_valid, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
     dims = tl.arange(0, BLOCK_D)
     parts = tl.load(  # a split without keys (log-sum-exp -inf) stored no partial output
         part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
         mask=(split_valid & (lse > float("-inf")))[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
-    total = tl.sum(w, 0)
-    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    merged = _merged_row(parts, lse)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         merged.to(out_ptr.dtype.element_ty),

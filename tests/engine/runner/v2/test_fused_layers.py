@@ -242,7 +242,7 @@ def test_rope_in_qkv_product_without_the_norm_chain(
         net = load_model(config, device).model
         net.load_state_dict(base.state_dict())
         install_fused_layers(net)
-        logits, caches = _prefill_then_step(net, device, dtype, kv_dtype)
+        logits, caches = _prefill_then_step(net, device, dtype, kv_dtype, TritonPagedAttention())
         outs.append(logits)
         caches_out.append(caches)
     assert calls["n"] == len(base.model.layers)
@@ -259,7 +259,11 @@ def test_rope_in_qkv_product_without_the_norm_chain(
 
 
 def _prefill_then_step(
-    net: torch.nn.Module, device: torch.device, dtype: str, kv_dtype: str
+    net: torch.nn.Module,
+    device: torch.device,
+    dtype: str,
+    kv_dtype: str,
+    backend: AttentionBackend,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a one-token step after a five-token prefill, and the caches after it (as
     float32; an FP8 cache's values through their scales are not applied: codes compared)."""
@@ -271,7 +275,6 @@ def _prefill_then_step(
     if kv_dtype == "fp8":
         for layer in net.model.layers:
             layer.self_attn.kv_scale.fill_(0.02)
-    backend = TritonPagedAttention()
     with torch.inference_mode():
         net(torch.tensor([5, 77, 301, 9, 140], device=device), torch.arange(5, device=device),
             caches, _prefill_meta(device, 5, num_blocks, backend))  # fmt: skip
@@ -314,27 +317,11 @@ def _norm_chain_case(
     fused = load_model(config, device).model
     fused.load_state_dict(plain.state_dict())
     install_fused_layers(fused)
-    page, num_blocks = 4, 2
-    prompt = torch.tensor([5, 77, 301, 9, 140], device=device)
     outs, caches_out = [], []
     for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
-        caches = _caches(net.config, num_blocks, page, device, getattr(torch, dtype))
-        with torch.inference_mode():
-            net(prompt, torch.arange(5, device=device), caches,
-                _prefill_meta(device, 5, num_blocks, backend))  # fmt: skip
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor([5], device=device),
-                query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor([6], dtype=torch.int32, device=device),
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-                max_query_len=1,
-                max_seq_len=6,
-                backend=backend,
-            )
-            hidden = net(torch.tensor([42], device=device), torch.tensor([5], device=device),
-                         caches, meta)  # fmt: skip
-            outs.append(net.compute_logits(hidden).float())
-        caches_out.append(torch.stack(caches).float())
+        logits, caches = _prefill_then_step(net, device, dtype, "auto", backend)
+        outs.append(logits)
+        caches_out.append(caches)
     layers = len(fused.model.layers)
     # o and down of every layer but the last one's down; gate/up of every layer, q/k/v but the
     # first layer's (with the rotary folded in: every q/k/v in fp8_gemv_rope)
