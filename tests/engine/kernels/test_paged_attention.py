@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -416,6 +417,16 @@ def test_balanced_splits_real_shapes(device: torch.device, fp8: bool, num_splits
     assert _rel_err(out, ref) < 1e-2
 
 
+def _float32_batch(
+    device: torch.device, q_lens: list[int], seq_lens: list[int], fp8: bool
+) -> tuple[Any, ...]:
+    """A float32 batch of 4 / 2 heads of 16 in pages of 4 over a model-dtype or FP8 cache:
+    (q, cache, block tables, lengths, query starts, the FP8 cache's scales or None)."""
+    if fp8:
+        return _fp8_batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
+    return (*_batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32), None)
+
+
 def _early_loads_agree(
     monkeypatch: pytest.MonkeyPatch, run: Callable[[], torch.Tensor], exact: bool = True
 ) -> None:
@@ -450,13 +461,7 @@ def test_loads_before_the_wait_change_nothing(
     are then loaded a tile ahead, so a program's range must hold several key tiles (300 keys
     in pages of 4: five decode tiles unsplit, two a split in three)."""
     torch.manual_seed(sum(seq_lens) + num_splits + fp8)
-    if fp8:
-        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
-            device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32
-        )
-    else:
-        q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
-        kv_scale = None
+    q, cache, tables, lens, qsl, kv_scale = _float32_batch(device, q_lens, seq_lens, fp8)
     _early_loads_agree(monkeypatch, lambda: paged_attention(
         q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, kv_scale=kv_scale
     ))  # fmt: skip
@@ -624,13 +629,7 @@ def test_merge_in_last_split(
     model-dtype and FP8 caches: the reference's attention, the merge kernel's result, and the
     ticket counters zero again after each launch."""
     torch.manual_seed(sum(seq_lens) + num_splits + fp8)
-    if fp8:
-        q, cache, tables, lens, qsl, kv_scale = _fp8_batch(
-            device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32
-        )
-    else:
-        q, cache, tables, lens, qsl = _batch(device, q_lens, seq_lens, (4, 2), 16, 4, torch.float32)
-        kv_scale = None
+    q, cache, tables, lens, qsl, kv_scale = _float32_batch(device, q_lens, seq_lens, fp8)
     out = torch.empty_like(q)
     two_kernels = _merged_in_last_split(monkeypatch, lambda out: paged_attention(
         q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, out, kv_scale
