@@ -452,6 +452,12 @@ _PIPELINED_MAX_SPLITS = 8
 # 143.6 uncapped and 152.2 with the tile (run 23).
 _FP8_DECODE_MAX_REGISTERS: int | None = 128
 MAX_SPLITS = 16
+# Warps per program of a decode split in many short ranges (W2's: one request, 16 splits of 72
+# keys). Compiled for sm_90 by Triton 3.6 at W2's shape over an FP8 cache (64-key tiles, queries
+# rotated, loads before the wait) it takes 255 registers and spills 168 bytes at 4 warps, 246
+# registers and no spills at 8 (without `LOADS_BEFORE_WAIT` 248 and none at 4). Not timed at 8
+# yet: a module constant so that a benchmark can run the engine each way.
+SHORT_SPLIT_NUM_WARPS = 4
 # Decode programs one multiprocessor holds at once, by cache kind, as compiled for sm_90 by
 # Triton 3.6 (16/8 heads of 128, pages of 16): the model-dtype tile takes 118 registers per
 # thread x 4 warps and 38 KB of shared memory (4 by registers), the FP8 tile at its register cap
@@ -669,6 +675,7 @@ def paged_attention(
     limits: dict[str, int] = {}
     if is_decode and num_splits > _PIPELINED_MAX_SPLITS:
         block_n, num_stages = (_FP8_SPLIT_DECODE_BLOCK_N if fp8 else _SPLIT_DECODE_BLOCK_N), 1
+        num_warps = SHORT_SPLIT_NUM_WARPS
     elif is_decode and fp8 and q.device.type == "cuda":
         block_n, num_stages, num_warps = _FP8_DECODE_BLOCK_N, 2, 2
         if queries_rotated and _FP8_DECODE_MAX_REGISTERS is not None:

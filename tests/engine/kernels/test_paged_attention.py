@@ -766,3 +766,20 @@ def test_merge_in_last_split_in_a_graph(
         if counters_before_capture:
             assert not _split_counters(device).any()
         _assert_merges_agree(out, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_short_splits_at_either_warp_count(
+    device: torch.device, fp8: bool, warps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode split in many short ranges (more than `_PIPELINED_MAX_SPLITS`) at 4 or 8 warps
+    a program (`SHORT_SPLIT_NUM_WARPS`): the reference's attention either way."""
+    from davit_engine.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "SHORT_SPLIT_NUM_WARPS", warps)
+    torch.manual_seed(11 + fp8)
+    q, cache, tables, lens, qsl, kv_scale = _float32_batch(device, [1, 1], [300, 41], fp8)
+    out = paged_attention(q, cache, tables, lens, qsl, 1, 0.25, 12, kv_scale=kv_scale)
+    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
+    assert _rel_err(out, ref) < 1e-5

@@ -811,6 +811,15 @@ VARIANTS = {
         "fp8",
         (("davit_engine.kernels.paged_attention", "MERGE_IN_LAST_SPLIT", True),),
     ),
+    # decodes split in many short ranges (W2's) at 8 warps a program instead of 4
+    # (paged_attention.SHORT_SPLIT_NUM_WARPS)
+    **_attention_variants("split-8w", "SHORT_SPLIT_NUM_WARPS", 8),
+    "fp8-both-split-8w": Variant(
+        "fp8-both-split-8w",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.paged_attention", "SHORT_SPLIT_NUM_WARPS", 8),),
+    ),
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
