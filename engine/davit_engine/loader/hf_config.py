@@ -104,15 +104,20 @@ def checkpoint_quantization(quant: Any, source: str) -> tuple[str | None, Weight
 
 def _fp8_weight_blocks(quant: dict[str, Any], field: str) -> WeightBlocks | None:
     size = quant.get("weight_block_size")
+    scale_fmt = quant.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ParamError(
+            "model",
+            f"{field}.scale_fmt {scale_fmt!r} is not supported; supported: float and ue8m0",
+        )
     if size is None:
+        if scale_fmt == "ue8m0":
+            raise ParamError(
+                "model", f"{field}.scale_fmt 'ue8m0': supported with weight_block_size only"
+            )
         return None
     rows, cols = _block_size(size, f"{field}.weight_block_size")
-    scale_fmt = quant.get("scale_fmt", "float")
-    if scale_fmt != "float":
-        raise ParamError(
-            "model", f"{field}.scale_fmt {scale_fmt!r}: only float block scales are supported"
-        )
-    return WeightBlocks(rows, cols, ".weight_scale_inv")
+    return WeightBlocks(rows, cols, ".weight_scale_inv", power_of_two=scale_fmt == "ue8m0")
 
 
 def _block_size(size: Any, field: str) -> tuple[int, int]:

@@ -21,6 +21,9 @@ class WeightBlocks:
     rows: int
     cols: int
     scale_suffix: str
+    # Scales stored as powers of two, one byte each (`scale_fmt: ue8m0`): float8_e8m0fnu, or
+    # its bytes as uint8 (`2^(b - 127)`); float tensors are read as they are.
+    power_of_two: bool = False
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         n, k = weight_shape

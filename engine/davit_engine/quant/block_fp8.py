@@ -4,7 +4,10 @@ Some FP8 checkpoints scale each `[rows, cols]` block of a projection's weight on
 own FP8 releases: `quant_method: fp8` with `weight_block_size: [128, 128]` and a
 `weight_scale_inv` tensor; compressed-tensors' block strategy: `block_structure` and a 2-D
 `weight_scale`). Either way the scale tensor is `[ceil(N / rows), ceil(K / cols)]` float and a
-weight value is `q * scale[n // rows, k // cols]`.
+weight value is `q * scale[n // rows, k // cols]`. With `scale_fmt: ue8m0` the scales are powers
+of two stored in one byte each (float8_e8m0fnu, or its bytes as uint8: `2^(b - 127)`, 255 is
+NaN); they are read into float32 exactly, and since the ratio of two of them is a power of two,
+the re-quantization below then keeps every value that stays in e4m3's normal range exactly.
 
 The engine's FP8 products take one scale per output channel, so each projection is re-quantized
 here, once, as it is read: every value is dequantized exactly in float32, and a row's channel
@@ -60,13 +63,36 @@ def channel_scales_from_blocks(
     return out, channel
 
 
-def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, int], source: str) -> None:
-    if not scale.dtype.is_floating_point or scale.dtype == FP8_DTYPE:
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _scale_values(name: str, scale: torch.Tensor, blocks: WeightBlocks, source: str) -> (
+    torch.Tensor
+):  # fmt: skip
+    """The block scale as float32 values: a float tensor as it is; with power-of-two scales
+    (`scale_fmt: ue8m0`) also float8_e8m0fnu and its bytes as uint8. Anything else raises
+    ParamError naming the tensor and its dtype."""
+    if blocks.power_of_two and scale.dtype == torch.uint8:
+        exponent = scale.to(torch.int32) - 127
+        values = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+        return torch.where(scale == 255, torch.nan, values)
+    if scale.dtype == _E8M0 and blocks.power_of_two:
+        return scale.to(torch.float32)
+    if not scale.dtype.is_floating_point or scale.dtype in (FP8_DTYPE, _E8M0):
+        expected = (
+            "a float tensor, or float8_e8m0fnu / uint8 bytes (scale_fmt ue8m0)"
+            if blocks.power_of_two
+            else "a float tensor"
+        )
         raise ParamError(
             "model",
             f"{source}: block scale {name!r} is {str(scale.dtype).removeprefix('torch.')}; "
-            "expected a float tensor",
+            f"expected {expected}",
         )
+    return scale
+
+
+def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, int], source: str) -> None:
     if tuple(scale.shape) != expected:
         raise ParamError(
             "model",
@@ -102,6 +128,7 @@ def convert_block_scaled(
                 "model",
                 f"{source}: FP8 weight {weight_name!r} must be 2-D, got {tuple(weight.shape)}",
             )
+        scale = _scale_values(scale_name, scale, blocks, source)
         _check_scale(scale_name, scale, blocks.scale_shape(tuple(weight.shape)), source)
         if device is not None:
             weight, scale = weight.to(device), scale.to(device)

@@ -107,8 +107,10 @@ def test_compressed_tensors_fp8_is_accepted(qwen3_tiny_dir: Path, tmp_path: Path
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be two positive"),
         ({"quant_method": "fp8", "weight_block_size": [0, 128]}, r"weight_block_size must be two positive"),
         ({"quant_method": "fp8", "weight_block_size": "128x128"}, r"weight_block_size must be two positive"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
-         "scale_fmt 'ue8m0': only float block scales"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "mx"},
+         "scale_fmt 'mx' is not supported; supported: float and ue8m0"),
+        ({"quant_method": "fp8", "scale_fmt": "ue8m0"},
+         "scale_fmt 'ue8m0': supported with weight_block_size only"),
         ({"quant_method": "compressed-tensors",
           "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "block"}}}},
          r"g\.weights\.block_structure must be two positive integers, got None"),
@@ -197,13 +199,16 @@ def test_block_fp8_checkpoint_loads_with_channel_scales(
             assert float((ours(x) - want).norm() / want.norm()) < 0.06, module_name
 
 
-@pytest.mark.parametrize("block", [(32, 32), None])
+@pytest.mark.parametrize(
+    ("block", "scale_fmt"), [((32, 32), "float"), ((32, 32), "ue8m0"), (None, "float")]
+)
 def test_block_fp8_checkpoint_written_by_transformers(
-    qwen3_tiny_dir: Path, tmp_path: Path, block: tuple[int, int] | None
+    qwen3_tiny_dir: Path, tmp_path: Path, block: tuple[int, int] | None, scale_fmt: str
 ) -> None:
     """A checkpoint whose projections transformers' own fine-grained FP8 quantizer wrote (its
     `weight_scale_inv` convention: a value is code x scale of its block) loads to weights
-    within one e4m3 rounding of transformers' dequantization of the same tensors; without a
+    within one e4m3 rounding of transformers' dequantization of the same tensors (with
+    `scale_fmt: ue8m0` its scales are powers of two stored as float8_e8m0fnu); without a
     block size it writes one scale per tensor, which loads exactly."""
     try:
         from transformers.integrations.finegrained_fp8 import Fp8Quantize
@@ -212,7 +217,7 @@ def test_block_fp8_checkpoint_written_by_transformers(
         unavailable("transformers without the fine-grained FP8 quantizer")
     import types
 
-    quant_config = FineGrainedFP8Config(weight_block_size=block)
+    quant_config = FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt)
     quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=quant_config))
     target = tmp_path / "hf-blk"
     target.mkdir()
@@ -239,7 +244,10 @@ def test_block_fp8_checkpoint_written_by_transformers(
         assert loaded.config.weight_blocks is None and scales.numel() == 1
         assert torch.equal(ours, codes.float() * scales.reshape(()))
         return
-    assert loaded.config.weight_blocks == WeightBlocks(32, 32, ".weight_scale_inv")
+    power_of_two = scale_fmt == "ue8m0"
+    assert loaded.config.weight_blocks == WeightBlocks(32, 32, ".weight_scale_inv", power_of_two)
+    assert scales.dtype == (torch.float8_e8m0fnu if power_of_two else torch.float32)
+    scales = scales.float()
     theirs = codes.float() * scales.repeat_interleave(32, 0).repeat_interleave(32, 1)
     step = torch.maximum(theirs.abs() * 2.0**-3, gate_up.weight_scale.data[
         loaded.config.intermediate_size :, None] * 2.0**-9)  # fmt: skip

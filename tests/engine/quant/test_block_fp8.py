@@ -146,6 +146,60 @@ def test_bad_block_scales_are_refused_by_name(scale: torch.Tensor, match: str) -
     assert "down_proj.weight_scale_inv" in err.value.message
 
 
+POW2 = WeightBlocks(48, 40, ".weight_scale_inv", power_of_two=True)
+
+
+def _pow2_stream() -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """A stream whose block scales are powers of two (scale_fmt ue8m0), and those scales."""
+    gen = torch.Generator().manual_seed(5)
+    exponents = torch.randint(-12, 3, (3, 3), generator=gen)
+    scales = torch.ldexp(torch.ones(3, 3), exponents)
+    codes = (torch.randn(100, 90, generator=gen) * 60).clamp(-448, 448).to(FP8)
+    return [("model.layers.0.mlp.down_proj.weight", codes),
+            ("model.layers.0.mlp.down_proj.weight_scale_inv", scales)], scales  # fmt: skip
+
+
+@pytest.mark.parametrize("stored", ["e8m0", "uint8", "float32"])
+def test_power_of_two_scales_in_one_byte(stored: str) -> None:
+    """scale_fmt ue8m0: the scales as float8_e8m0fnu, as their bytes (uint8, `2^(b - 127)`) or
+    as float32 give the same conversion; with power-of-two ratios every value in e4m3's
+    normal range keeps its value exactly."""
+    stream, scales = _pow2_stream()
+    if stored == "e8m0":
+        stream[1] = (stream[1][0], scales.to(torch.float8_e8m0fnu))
+    elif stored == "uint8":
+        stream[1] = (stream[1][0], scales.to(torch.float8_e8m0fnu).view(torch.uint8))
+        assert int(stream[1][1][0, 0]) == int(torch.log2(scales[0, 0])) + 127
+    out = dict(convert_block_scaled(stream, POW2, "ckpt"))
+    codes = out["model.layers.0.mlp.down_proj.weight"]
+    channel = out["model.layers.0.mlp.down_proj.weight_scale"]
+    ours = codes.float() * channel[:, None]
+    truth = _truth(stream[0][1], scales, POW2)
+    normal = (truth.abs() / channel[:, None]) >= 2.0**-6  # e4m3's smallest normal value
+    assert torch.equal(ours[normal], truth[normal])
+    assert float((ours - truth).abs().max()) <= float(channel.max()) * 2.0**-10
+
+
+@pytest.mark.parametrize(
+    ("scale", "blocks", "match"),
+    [
+        (torch.full((3, 3), 255, dtype=torch.uint8), POW2, "negative or non-finite"),
+        (torch.full((3, 3), 127, dtype=torch.uint8), BLOCKS,
+         "is uint8; expected a float tensor$"),
+        (torch.ones(3, 3).to(torch.float8_e8m0fnu), BLOCKS, "is float8_e8m0fnu; expected a float"),
+        (torch.ones(3, 3, dtype=torch.int32), POW2, "float8_e8m0fnu / uint8 bytes"),
+    ],
+)  # fmt: skip
+def test_power_of_two_scales_only_where_the_checkpoint_says(
+    scale: torch.Tensor, blocks: WeightBlocks, match: str
+) -> None:
+    """One-byte scales are read only under scale_fmt ue8m0; 255 (NaN) is refused."""
+    stream, _ = _pow2_stream()
+    stream[1] = (stream[1][0], scale)
+    with pytest.raises(ParamError, match=match):
+        list(convert_block_scaled(stream, blocks, "ckpt"))
+
+
 @pytest.mark.gpu
 def test_the_conversion_on_the_gpu_is_the_cpus() -> None:
     """The loader converts on the model's device: the same codes and scales there."""
