@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import capability, interpreted, multiprocessors
-from davit_engine.kernels.fp8 import hadamard_factors, hadamard_halves, round_to_e4m3
+from davit_engine.kernels import capability, interpreted, multiprocessors, zeroed_counters
+from davit_engine.kernels.fp8 import hadamard_factors, hadamard_halves
+from davit_engine.kernels.kv_cache import key_offsets, to_cache_e4m3, value_offsets
 from davit_engine.kernels.layer_ops import norm_rope_halves, silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, is_fp8, rotates_keys
@@ -334,7 +335,7 @@ def _finish_head(  # type: ignore[no-untyped-def]
         x1 = tl.load(src, cache_modifier=".cg").to(tl.float32)
         x2 = tl.load(src + HALF, cache_modifier=".cg").to(tl.float32)
         slot = tl.load(slot_ptr).to(tl.int64)  # negative: a padding token, nothing stored
-        row_bytes = NUM_KV_HEADS * 2 * HALF  # elements of one slot's keys
+        cache_ty = cache_ptr.dtype.element_ty
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
             c1 = tl.load(cos_ptr + dims).to(dtype).to(tl.float32)
             c2 = tl.load(cos_ptr + HALF + dims).to(dtype).to(tl.float32)
@@ -358,27 +359,25 @@ def _finish_head(  # type: ignore[no-untyped-def]
                     if ROTATE_K:
                         o1, o2 = hadamard_halves(o1, o2, HALF, HADAMARD_A, HADAMARD_B)
                     k_scale = tl.load(kv_scale_ptr + kv_head)
-                    o1 = round_to_e4m3(tl.fdiv(o1, k_scale, ieee_rounding=True))
-                    o2 = round_to_e4m3(tl.fdiv(o2, k_scale, ieee_rounding=True))
-                dst = cache_ptr + slot * row_bytes + kv_head * (2 * HALF) + dims
-                tl.store(dst, o1.to(cache_ptr.dtype.element_ty))
-                tl.store(dst + HALF, o2.to(cache_ptr.dtype.element_ty))
+                    o1 = to_cache_e4m3(o1, k_scale)
+                    o2 = to_cache_e4m3(o2, k_scale)
+                dst = cache_ptr + key_offsets(slot, kv_head, dims, NUM_KV_HEADS, 2 * HALF)
+                tl.store(dst, o1.to(cache_ty))
+                tl.store(dst + HALF, o2.to(cache_ty))
         elif slot >= 0:
             kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-            if KV_FP8:  # key-minor within the block: [heads, dim, key]
+            if KV_FP8:
                 v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-                v1 = round_to_e4m3(tl.fdiv(x1, v_scale, ieee_rounding=True))
-                v2 = round_to_e4m3(tl.fdiv(x2, v_scale, ieee_rounding=True))
-                dst = (
-                    cache_ptr + value_offset + (slot // PAGE) * (PAGE * row_bytes)
-                    + kv_head * (2 * HALF * PAGE) + dims * PAGE + slot % PAGE
-                )  # fmt: skip
-                tl.store(dst, v1.to(cache_ptr.dtype.element_ty))
-                tl.store(dst + HALF * PAGE, v2.to(cache_ptr.dtype.element_ty))
-            else:
-                dst = cache_ptr + value_offset + slot * row_bytes + kv_head * (2 * HALF) + dims
-                tl.store(dst, x1.to(cache_ptr.dtype.element_ty))
-                tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty))
+                x1 = to_cache_e4m3(x1, v_scale)
+                x2 = to_cache_e4m3(x2, v_scale)
+            dst = cache_ptr + value_offsets(
+                slot, kv_head, dims, NUM_KV_HEADS, value_offset, PAGE, 2 * HALF, KV_FP8
+            )
+            tl.store(dst, x1.to(cache_ty))
+            dst = cache_ptr + value_offsets(
+                slot, kv_head, dims + HALF, NUM_KV_HEADS, value_offset, PAGE, 2 * HALF, KV_FP8
+            )
+            tl.store(dst, x2.to(cache_ty))
 
 
 @triton.jit
@@ -703,19 +702,10 @@ _HEAD_COUNTS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def head_counts(device: torch.device, heads: int) -> torch.Tensor | None:
-    """The per-head arrival counts `fp8_gemv_rope` takes: zeros, made once per device and kept
-    (every launch leaves them at zero, so launches one after another on a stream, captured in
-    CUDA graphs or not, share them); grown outside a CUDA graph capture when a model has more
-    heads. None where they would have to be made during a capture (the caller then runs the
-    rotary kernel; the runner's eager warm-up makes them before it captures)."""
-    key = (device.type, device.index)
-    counts = _HEAD_COUNTS.get(key)
-    if counts is None or counts.numel() < heads:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = torch.zeros(max(heads, 256), dtype=torch.int32, device=device)
-        _HEAD_COUNTS[key] = counts
-    return counts
+    """The per-head arrival counts `fp8_gemv_rope` takes (`kernels.zeroed_counters`: one
+    array a device, zero between launches; None inside a CUDA graph capture that would have to
+    make them, where the caller runs the rotary kernel instead)."""
+    return zeroed_counters(_HEAD_COUNTS, device, heads, 256)
 
 
 def rope_config(num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> (

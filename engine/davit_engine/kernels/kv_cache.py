@@ -24,6 +24,36 @@ from davit_engine.layers.fp8 import is_fp8, rotates_keys, write_fp8_kv
 
 
 @triton.jit
+def to_cache_e4m3(x, scale):  # type: ignore[no-untyped-def]
+    """`x / scale` in float32, rounded to e4m3 as an FP8 cache stores it (module docstring)."""
+    return round_to_e4m3(tl.fdiv(x.to(tl.float32), scale, ieee_rounding=True))
+
+
+@triton.jit
+def key_offsets(slot, heads, dims, num_heads, HEAD_DIM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Element offsets of a token's keys at `slot` (int64) in one layer's cache."""
+    return slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
+
+
+@triton.jit
+def value_offsets(  # type: ignore[no-untyped-def]
+    slot, heads, dims, num_heads, value_offset, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """Element offsets of a token's values at `slot`: beside its keys in the value half of
+    the cache, key-minor within the block in an FP8 cache (`[heads, dim, key]`)."""
+    if FP8:
+        return (
+            value_offset
+            + (slot // PAGE) * (PAGE * num_heads * HEAD_DIM)
+            + heads * (HEAD_DIM * PAGE)
+            + dims * PAGE
+            + slot % PAGE
+        )
+    return value_offset + key_offsets(slot, heads, dims, num_heads, HEAD_DIM)
+
+
+@triton.jit
 def store_token_kv(  # type: ignore[no-untyped-def]
     k,  # [BLOCK_H, BLOCK_D] one token's keys, in the model dtype
     v,  # [BLOCK_H, BLOCK_D] its values
@@ -53,21 +83,13 @@ def store_token_kv(  # type: ignore[no-untyped-def]
         v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
         if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
             k = tl.dot(k, h, input_precision=DOT_PRECISION)
-        k = round_to_e4m3(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
-        v = round_to_e4m3(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
-    dst = cache_ptr + slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
+        k = to_cache_e4m3(k, k_scale)
+        v = to_cache_e4m3(v, v_scale)
+    dst = cache_ptr + key_offsets(slot, heads, dims, num_heads, HEAD_DIM)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    if FP8:  # values key-minor within the block: [heads, dim, key]
-        v_dst = (
-            cache_ptr
-            + value_offset
-            + (slot // PAGE) * (PAGE * num_heads * HEAD_DIM)
-            + heads * (HEAD_DIM * PAGE)
-            + dims * PAGE
-            + slot % PAGE
-        )
-    else:
-        v_dst = dst + value_offset
+    v_dst = cache_ptr + value_offsets(
+        slot, heads, dims, num_heads, value_offset, PAGE, HEAD_DIM, FP8
+    )
     tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import multiprocessors
+from davit_engine.kernels import multiprocessors, zeroed_counters
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
@@ -503,7 +503,7 @@ BALANCE_SPLITS = False
 # of each (request, q tile, KV head)'s split programs to finish (`_merge_in_last_split`), instead
 # of by a second kernel: at W2's decode (one request, 8 KV heads, 16 splits) that kernel is one
 # more launch a layer, 32 a step, each a few microseconds. Its programs take tickets from
-# counters kept per device (`_split_counters`); a launch that would have to make or grow them
+# counters kept per device (`_SPLIT_COUNTERS`); a launch that would have to make or grow them
 # inside a CUDA graph capture takes the two kernels. Off: not timed on a GPU yet. A switch so
 # that a benchmark can time both.
 MERGE_IN_LAST_SPLIT = False
@@ -519,33 +519,11 @@ _MIN_BALANCED_SPLIT_TILES = 2
 
 
 # Ticket counters of `MERGE_IN_LAST_SPLIT`, one int32 per (program of the grid's first axis, KV
-# head), by (device type, index): zero, and zero again after every launch (the last program of
-# a run sets its counter back), so the next launch, a replayed CUDA graph's too, finds them so.
-# One array a device serves successive launches: a launch touches them only after its wait for
-# the kernel before (pdl.py), and starts only once the launch before it passed its own wait.
+# head), by (device type, index) (`kernels.zeroed_counters`): a launch touches them only after
+# its wait for the kernel before (pdl.py), and starts only once the launch before it passed its
+# own wait, so one array a device serves successive launches.
 _SPLIT_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-# Arrays replaced by larger ones: graphs captured with them still address them.
-_RETIRED_SPLIT_COUNTERS: list[torch.Tensor] = []
 _MIN_SPLIT_COUNTERS = 1 << 16
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """`device`'s ticket counters, at least `needed` of them (made or grown, zeroed, outside a
-    CUDA graph capture); None where they would have to be made or grown inside one (an
-    allocation made in a capture belongs to the graph's pool, not to the process). The V2
-    runner's eager warm-up makes them before its capture."""
-    key = (device.type, device.index)
-    counters = _SPLIT_COUNTERS.get(key)
-    if counters is not None and counters.numel() >= needed:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if counters is not None:
-        _RETIRED_SPLIT_COUNTERS.append(counters)
-    size = max(_MIN_SPLIT_COUNTERS, triton.next_power_of_2(needed))
-    counters = torch.zeros(size, dtype=torch.int32, device=device)
-    _SPLIT_COUNTERS[key] = counters
-    return counters
 
 
 def _cache_kind(fp8: bool) -> str:
@@ -698,7 +676,9 @@ def paged_attention(
     grid = (num_requests * num_q_tiles, num_kv_heads, num_splits)
     counters = None
     if MERGE_IN_LAST_SPLIT and num_splits > 1:
-        counters = _split_counters(q.device, grid[0] * num_kv_heads)
+        counters = zeroed_counters(
+            _SPLIT_COUNTERS, q.device, grid[0] * num_kv_heads, _MIN_SPLIT_COUNTERS
+        )
     _paged_attention_kernel[grid](
         q,
         kv_cache[0],
