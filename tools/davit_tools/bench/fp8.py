@@ -667,19 +667,20 @@ class Variant:
     lm_head_quantization: str | None = None  # --lm-head-quantization
 
 
+# The base variants that a switch variant builds on: (name, weight quantization, KV cache dtype).
+_BASES = (("bf16", None, "auto"), ("fp8-kv", None, "fp8"), ("fp8-both", "fp8", "fp8"))
+
+
 def _attention_variants(suffix: str, attribute: str, value: object) -> dict[str, Variant]:
-    """bf16 and FP8 KV variants with one paged-attention module switch set."""
+    """bf16, FP8 KV and FP8 weights + KV variants with one paged-attention module switch set."""
     module = "davit_engine.kernels.paged_attention"
     return {
         f"{base}-{suffix}": Variant(
-            f"{base}-{suffix}", None, kv_dtype, ((module, attribute, value),)
+            f"{base}-{suffix}", quantization, kv_dtype, ((module, attribute, value),)
         )  # fmt: skip
-        for base, kv_dtype in (("bf16", "auto"), ("fp8-kv", "fp8"))
+        for base, quantization, kv_dtype in _BASES
     }
 
-
-# The base variants that a switch variant builds on: (name, weight quantization, KV cache dtype).
-_BASES = (("bf16", None, "auto"), ("fp8-kv", None, "fp8"), ("fp8-both", "fp8", "fp8"))
 
 VARIANTS = {
     "bf16": Variant("bf16", None, "auto"),
@@ -799,27 +800,10 @@ VARIANTS = {
         (("davit_engine.runner.v2.fused_layers", "ROPE_IN_QKV_PRODUCT", True),),
     ),
     # split decodes merged by each run's last split program (paged_attention.MERGE_IN_LAST_SPLIT)
-    "fp8-both-merge-in-split": Variant(
-        "fp8-both-merge-in-split",
-        "fp8",
-        "fp8",
-        (("davit_engine.kernels.paged_attention", "MERGE_IN_LAST_SPLIT", True),),
-    ),
-    "fp8-kv-merge-in-split": Variant(
-        "fp8-kv-merge-in-split",
-        None,
-        "fp8",
-        (("davit_engine.kernels.paged_attention", "MERGE_IN_LAST_SPLIT", True),),
-    ),
+    **_attention_variants("merge-in-split", "MERGE_IN_LAST_SPLIT", True),
     # decodes split in many short ranges (W2's) at 8 warps a program instead of 4
     # (paged_attention.SHORT_SPLIT_NUM_WARPS)
     **_attention_variants("split-8w", "SHORT_SPLIT_NUM_WARPS", 8),
-    "fp8-both-split-8w": Variant(
-        "fp8-both-split-8w",
-        "fp8",
-        "fp8",
-        (("davit_engine.kernels.paged_attention", "SHORT_SPLIT_NUM_WARPS", 8),),
-    ),
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
