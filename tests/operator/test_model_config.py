@@ -117,6 +117,11 @@ FP8_CONFIGS = [
     {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     {"quant_method": "compressed-tensors",
      "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+    # ModelOpt exports: settings at the top (config.json) or under `quantization`
+    {"quant_method": "modelopt", "quant_algo": "fp8", "ignore": ["lm_head"]},
+    {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
+    {"producer": {"name": "modelopt", "version": "0.29.0"},
+     "quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": ["lm_head"]}},
 ]  # fmt: skip
 
 
@@ -158,7 +163,10 @@ def test_an_fp8_checkpoint_is_estimated_at_one_byte_per_projection_weight(
     "quant",
     [None, {"quant_method": "gptq", "bits": 4}, "fp8",
      {"quant_method": "compressed-tensors",
-      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}}],
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}},
+     {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"},
+     {"quant_method": "modelopt", "quant_algo": "MXFP8"},
+     {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "W4A16_NVFP4"}}],
 )  # fmt: skip
 def test_other_checkpoints_count_at_the_accelerator_dtype(quant: Any) -> None:
     assert not shape_from_config({**BIG, "quantization_config": quant}).fp8_projections

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from fnmatch import fnmatchcase
 from typing import Any
 
 from davit_engine.models.config import ARCHITECTURES, ModelConfig, WeightBlocks
@@ -16,8 +17,12 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {
 }
 
 
-def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
-    """Parse a config.json dict; `source` (the file path) is named in every error."""
+def model_config_from_hf(
+    raw: dict[str, Any], source: str, quantization_source: str | None = None
+) -> ModelConfig:
+    """Parse a config.json dict; `source` (the file path) is named in every error, and
+    `quantization_source` in those about its quantization_config where that came from another
+    file (ModelOpt's hf_quant_config.json)."""
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ParamError(
@@ -66,24 +71,33 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
-    quantization, weight_blocks = checkpoint_quantization(raw.get("quantization_config"), source)
+    quantization, weight_blocks = checkpoint_quantization(
+        raw.get("quantization_config"),
+        quantization_source or f"{source}: quantization_config",
+        config.num_layers,
+    )
     config = dataclasses.replace(config, quantization=quantization, weight_blocks=weight_blocks)
     config.validate(source)
     return config
 
 
-def checkpoint_quantization(quant: Any, source: str) -> tuple[str | None, WeightBlocks | None]:
+def checkpoint_quantization(
+    quant: Any, field: str, num_layers: int = 0
+) -> tuple[str | None, WeightBlocks | None]:
     """("fp8", blocks) for FP8 checkpoints in the common safetensors layouts (float8_e4m3fn
     projection weights with a per-tensor, per-channel or per-block scale beside each; `blocks`
     None unless per block: `quant_method: fp8` with `weight_block_size`, scales in
-    `weight_scale_inv`, or compressed-tensors' block strategy, scales in `weight_scale`),
-    (None, None) without a quantization_config; ParamError naming the field for any other
-    scheme or a malformed block size."""
+    `weight_scale_inv`; compressed-tensors' block strategy or ModelOpt's FP8_PB_WO, scales in
+    `weight_scale`), (None, None) without a quantization_config; ParamError naming the field
+    for any other scheme or a malformed block size. `num_layers` is the model's, for ModelOpt's
+    module patterns (each checked against every decoder projection's name). `field` names the
+    object in errors."""
     if quant is None:
         return None, None
-    field = f"{source}: quantization_config"
     if not isinstance(quant, dict):
         raise ParamError("model", f"{field} must be an object")
+    if _is_modelopt(quant):
+        return "fp8", _modelopt_weights(quant, field, num_layers)
     method = quant.get("quant_method")
     if method == "fp8":
         if quant.get("fmt", "e4m3") != "e4m3":
@@ -96,9 +110,9 @@ def checkpoint_quantization(quant: Any, source: str) -> tuple[str | None, Weight
         return "fp8", blocks
     raise ParamError(
         "model",
-        f"{field}.quant_method {method!r} is not supported; supported: fp8 and "
-        "compressed-tensors FP8 (float8_e4m3fn weights with per-tensor, per-channel or "
-        "per-block scales)",
+        f"{field}.quant_method {method!r} is not supported; supported: fp8, "
+        "compressed-tensors FP8 and modelopt FP8 (float8_e4m3fn weights with per-tensor, "
+        "per-channel or per-block scales)",
     )
 
 
@@ -166,6 +180,79 @@ def _compressed_tensors_weights(quant: dict[str, Any], field: str) -> WeightBloc
         )
     size = blocks.pop()
     return None if size is None else WeightBlocks(size[0], size[1], ".weight_scale")
+
+
+# ModelOpt's FP8 layouts by `quant_algo` (its case does not matter): the block size of the
+# weight scales, None for one scale per tensor (FP8) or per output channel
+# (FP8_PER_CHANNEL_PER_TOKEN). The names and layouts are those vLLM 0.33.0's wheel reads
+# (model_executor/layers/quantization/modelopt.py): `weight` float8_e4m3fn [N, K] and
+# `weight_scale` float32, one value, [N] or [ceil(N / 128), ceil(K / 128)]; a static
+# `input_scale` beside them (not used here: activations are quantized per token).
+MODELOPT_FP8_ALGOS: dict[str, tuple[int, int] | None] = {
+    "FP8": None,
+    "FP8_PER_CHANNEL_PER_TOKEN": None,
+    "FP8_PB_WO": (128, 128),
+}
+# Decoder projections by checkpoint name, for ModelOpt's exclusion patterns.
+_PROJECTION_NAMES = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down")
+)
+
+
+def _is_modelopt(quant: dict[str, Any]) -> bool:
+    """A ModelOpt export: `quant_method` modelopt (any case, modelopt_fp4 and the like too), or
+    its producer named modelopt (hf_quant_config.json, which ModelOpt wrote beside config.json
+    before it wrote quantization_config into it)."""
+    method = quant.get("quant_method")
+    producer = quant.get("producer")
+    return (isinstance(method, str) and method.lower().startswith("modelopt")) or (
+        isinstance(producer, dict) and producer.get("name") == "modelopt"
+    )
+
+
+def _modelopt_weights(quant: dict[str, Any], field: str, num_layers: int) -> WeightBlocks | None:
+    """The FP8 layout of a ModelOpt export. Its settings are either under `quantization`
+    (`quant_algo`, `exclude_modules`: hf_quant_config.json's form) or at the top (`quant_algo`,
+    `ignore` or `exclude_modules`)."""
+    nested = quant.get("quantization")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ParamError("model", f"{field}.quantization must be an object")
+        settings, where = nested, f"{field}.quantization"
+    else:
+        settings, where = quant, field
+    algo = settings.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_FP8_ALGOS:
+        raise ParamError(
+            "model",
+            f"{where}.quant_algo {algo!r} is not supported; supported for ModelOpt exports: "
+            f"{', '.join(MODELOPT_FP8_ALGOS)} (FP8 weights per tensor, per channel or per "
+            "128 x 128 block)",
+        )
+    key = "ignore" if nested is None and "ignore" in settings else "exclude_modules"
+    _check_excluded(settings.get(key), f"{where}.{key}", num_layers)
+    size = MODELOPT_FP8_ALGOS[algo.upper()]
+    return None if size is None else WeightBlocks(size[0], size[1], ".weight_scale")
+
+
+def _check_excluded(patterns: Any, field: str, num_layers: int) -> None:
+    """ModelOpt's exclusions are module names, substrings of them or wildcard patterns (the
+    three ways vLLM 0.33.0 matches them); none may reach a decoder projection, which this
+    engine loads as FP8 only."""
+    if patterns is None:
+        return
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ParamError("model", f"{field} must be a list of module names or patterns")
+    for pattern in patterns:
+        for layer in range(num_layers):
+            for projection in _PROJECTION_NAMES:
+                name = f"model.layers.{layer}.{projection}"
+                if pattern in name or fnmatchcase(name, pattern):
+                    raise ParamError(
+                        "model",
+                        f"{field}: {pattern!r} leaves {name} unquantized; this engine loads "
+                        "every decoder projection as FP8 (only lm_head may be left out)",
+                    )
 
 
 def _check_ignored(ignored: Any, field: str) -> None:

@@ -13,21 +13,25 @@ from davit_engine.loader.hf_config import model_config_from_hf
 from davit_engine.models.config import ModelConfig
 from davit_engine.types import ParamError
 
+# Where ModelOpt exports before it wrote quantization_config into config.json keep theirs.
+MODELOPT_QUANT_CONFIG = "hf_quant_config.json"
+
 
 def read_config(directory: Path) -> ModelConfig:
-    """Parse `directory/config.json`, merging EOS ids from generation_config.json if present."""
+    """Parse `directory/config.json`, merging EOS ids from generation_config.json if present;
+    without a quantization_config, hf_quant_config.json beside it (a ModelOpt export) is one."""
     path = directory / "config.json"
     if not path.is_file():
         raise ParamError(
             "model", f"{directory}: no config.json (not a Hugging Face model directory)"
         )
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ParamError("model", f"{path}: cannot be read as JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ParamError("model", f"{path}: expected a JSON object")
-    config = model_config_from_hf(raw, str(path))
+    raw = _json_object(path)
+    quantization_source = None
+    legacy = directory / MODELOPT_QUANT_CONFIG
+    if raw.get("quantization_config") is None and legacy.is_file():
+        raw["quantization_config"] = _json_object(legacy)
+        quantization_source = str(legacy)
+    config = model_config_from_hf(raw, str(path), quantization_source)
     generation = directory / "generation_config.json"
     if generation.is_file():
         try:
@@ -38,6 +42,16 @@ def read_config(directory: Path) -> ModelConfig:
         merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
         config = _replace(config, eos_token_ids=merged)
     return config
+
+
+def _json_object(path: Path) -> dict[str, object]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ParamError("model", f"{path}: cannot be read as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ParamError("model", f"{path}: expected a JSON object")
+    return raw
 
 
 def weight_files(directory: Path) -> list[Path]:

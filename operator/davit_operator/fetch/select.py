@@ -11,6 +11,7 @@ NEEDED_NAMES = frozenset(
     {
         "config.json",
         "generation_config.json",
+        "hf_quant_config.json",  # ModelOpt exports' quantization settings, beside config.json
         "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",

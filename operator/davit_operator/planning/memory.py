@@ -189,16 +189,30 @@ def shape_from_config(config: Any) -> ModelShape:
         raise ShapeError(f"config.json: {exc}") from None
 
 
+# ModelOpt's `quant_algo` values whose weights are FP8 (per tensor, per channel, per block).
+MODELOPT_FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"})
+
+
 def _fp8_checkpoint(quant: Any) -> bool:
     """Whether config.json's quantization_config stores the projections in FP8: `quant_method:
-    fp8` (per tensor, channel or block), or compressed-tensors whose weights are 8-bit floats.
-    Anything else (absent, other schemes) counts as the accelerator dtype: the engine decides
-    whether it can serve it."""
+    fp8` (per tensor, channel or block), compressed-tensors whose weights are 8-bit floats, or
+    a ModelOpt export with an FP8 `quant_algo` (at the top or under `quantization`). Anything
+    else (absent, other schemes) counts as the accelerator dtype: the engine decides whether it
+    can serve it. (ModelOpt exports that keep their settings in hf_quant_config.json instead
+    are not seen here: their weights are counted at the model dtype, more than they take.)"""
     if not isinstance(quant, dict):
         return False
     method = quant.get("quant_method")
     if method == "fp8":
         return True
+    producer = quant.get("producer")
+    if (isinstance(method, str) and method.lower() == "modelopt") or (
+        isinstance(producer, dict) and producer.get("name") == "modelopt"
+    ):
+        nested = quant.get("quantization")
+        settings = nested if isinstance(nested, dict) else quant
+        algo = settings.get("quant_algo")
+        return isinstance(algo, str) and algo.upper() in MODELOPT_FP8_ALGOS
     if method != "compressed-tensors" or not isinstance(quant.get("config_groups"), dict):
         return False
     groups = [g for g in quant["config_groups"].values() if isinstance(g, dict)]

@@ -20,7 +20,7 @@ from davit_engine.models.llama import LlamaDecoderLayer
 from davit_engine.quant.block_fp8 import channel_scales_from_blocks
 from davit_engine.quant.fp8_linear import Fp8Linear
 from davit_engine.types import ParamError
-from davit_tools.bench.fp8_quality import write_block_fp8_checkpoint
+from davit_tools.bench.fp8_quality import block_quantize, write_block_fp8_checkpoint
 from tests.support import unavailable
 
 CPU = torch.device("cpu")
@@ -253,3 +253,113 @@ def test_block_fp8_checkpoint_written_by_transformers(
         loaded.config.intermediate_size :, None] * 2.0**-9)  # fmt: skip
     assert bool(((ours - theirs).abs() <= step / 2 * (1 + 1e-5)).all())
     assert float((ours - theirs).norm() / theirs.norm()) < 0.05
+
+
+def _modelopt_checkpoint(source: Path, target: Path, algo: str, legacy: bool) -> dict[str, Any]:
+    """`source` as a ModelOpt FP8 export (the layouts vLLM 0.33.0's wheel reads): `weight` in
+    e4m3 and a float32 `weight_scale`, one value (FP8), [N] (FP8_PER_CHANNEL_PER_TOKEN) or
+    [ceil(N / 128), ceil(K / 128)] (FP8_PB_WO); a static `input_scale`; KV scales on k_proj and
+    v_proj. Its settings in config.json's quantization_config, or (`legacy`) in
+    hf_quant_config.json beside a config.json without one. Returns the written tensors."""
+    target.mkdir()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _hf_weights(source):
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if part not in PROJECTIONS:
+            out[name] = tensor
+            continue
+        stem = name.removesuffix(".weight")
+        if algo.upper() == "FP8_PB_WO":
+            codes, scale = block_quantize(tensor, 128, 128)
+        else:
+            per_channel = algo.upper() == "FP8_PER_CHANNEL_PER_TOKEN"
+            amax = tensor.abs().amax(dim=1) if per_channel else tensor.abs().amax()
+            scale = (amax / 448).float()
+            codes = (tensor / (scale[:, None] if per_channel else scale)).to(torch.float8_e4m3fn)
+        out[name], out[f"{stem}.weight_scale"] = codes, scale
+        out[f"{stem}.input_scale"] = torch.tensor(0.02)
+        if part in ("k_proj", "v_proj"):
+            out[f"{stem}.{part[0]}_scale"] = torch.tensor(0.5)
+    save_file(out, str(target / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    settings = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    if legacy:
+        producer = {"name": "modelopt", "version": "0.29.0"}
+        (target / "hf_quant_config.json").write_text(
+            json.dumps({"producer": producer, "quantization": settings})
+        )
+    else:
+        config["quantization_config"] = {"quant_method": "modelopt", **settings}
+    (target / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["config.json", "hf_quant_config.json"])
+@pytest.mark.parametrize("algo", ["FP8", "fp8_per_channel_per_token", "FP8_PB_WO"])
+def test_modelopt_fp8_exports_load(
+    qwen3_tiny_dir: Path, tmp_path: Path, algo: str, legacy: bool
+) -> None:
+    """Each projection holds the export's codes and scales (per tensor: its rows of the fused
+    scale; per block: the block conversion's), detected without the flag."""
+    written = _modelopt_checkpoint(qwen3_tiny_dir, tmp_path / "mo", algo, legacy)
+    loaded = load_model(EngineConfig(model=str(tmp_path / "mo"), dtype="float32"), CPU)
+    assert loaded.quantization == "fp8"
+    blocks = WeightBlocks(128, 128, ".weight_scale") if algo == "FP8_PB_WO" else None
+    assert loaded.config.weight_blocks == blocks
+    c = loaded.config
+    for index in range(c.num_layers):
+        layer = cast(LlamaDecoderLayer, loaded.model.model.layers[index])
+        fused = {"q_proj": (layer.self_attn.qkv_proj, 0, c.q_size),
+                 "k_proj": (layer.self_attn.qkv_proj, c.q_size, c.kv_size),
+                 "v_proj": (layer.self_attn.qkv_proj, c.q_size + c.kv_size, c.kv_size),
+                 "o_proj": (layer.self_attn.o_proj, 0, c.hidden_size),
+                 "gate_proj": (layer.mlp.gate_up_proj, 0, c.intermediate_size),
+                 "up_proj": (layer.mlp.gate_up_proj, c.intermediate_size, c.intermediate_size),
+                 "down_proj": (layer.mlp.down_proj, 0, c.hidden_size)}  # fmt: skip
+        for part, (module, start, size) in fused.items():
+            assert isinstance(module, Fp8Linear)
+            group = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            stem = f"model.layers.{index}.{group}.{part}"
+            codes, scale = written[f"{stem}.weight"], written[f"{stem}.weight_scale"]
+            if blocks is not None:
+                codes, scale = channel_scales_from_blocks(codes, scale, blocks)
+            rows = slice(start, start + size)
+            assert torch.equal(module.weight.data[rows].view(torch.uint8), codes.view(torch.uint8))
+            assert torch.equal(module.weight_scale.data[rows], scale.float().expand(size)), stem
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"quant_algo": "NVFP4"}, r"quant_algo 'NVFP4' is not supported; supported for ModelOpt"),
+        ({"quant_algo": "MIXED_PRECISION"}, r"quant_algo 'MIXED_PRECISION' is not supported"),
+        ({}, r"quant_algo None is not supported"),
+        ({"quant_algo": "FP8", "exclude_modules": ["*self_attn*", "lm_head"]},
+         r"exclude_modules: '\*self_attn\*' leaves model\.layers\.0\.self_attn\.q_proj unquantized"),
+        ({"quant_algo": "FP8", "exclude_modules": ["model.layers.1.mlp"]},
+         r"'model\.layers\.1\.mlp' leaves model\.layers\.1\.mlp\.gate_proj unquantized"),
+        ({"quant_algo": "FP8", "exclude_modules": "lm_head"}, "must be a list of module names"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("legacy", [False, True], ids=["config.json", "hf_quant_config.json"])
+def test_modelopt_exports_refused_by_field(
+    qwen3_tiny_dir: Path, tmp_path: Path, settings: dict[str, Any], match: str, legacy: bool
+) -> None:
+    """What this engine cannot serve is refused at load, naming the file and the key: other
+    ModelOpt formats, and exclusions that leave a decoder projection unquantized."""
+    target = tmp_path / "model"
+    shutil.copytree(qwen3_tiny_dir, target)
+    if legacy:
+        quant = {"producer": {"name": "modelopt"}, "quantization": settings}
+        (target / "hf_quant_config.json").write_text(json.dumps(quant))
+        where = "hf_quant_config.json"
+    else:
+        config = json.loads((target / "config.json").read_text())
+        renamed = {"ignore" if k == "exclude_modules" else k: v for k, v in settings.items()}
+        config["quantization_config"] = {"quant_method": "modelopt", **renamed}
+        (target / "config.json").write_text(json.dumps(config))
+        where = "config.json: quantization_config"
+        match = match.replace("exclude_modules", "ignore")
+    with pytest.raises(ParamError, match=match) as err:
+        load_model(EngineConfig(model=str(target)), CPU)
+    assert where in err.value.message
