@@ -117,6 +117,7 @@ FP8_CONFIGS = [
     {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     {"quant_method": "compressed-tensors",
      "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+    {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
     # ModelOpt exports: settings at the top (config.json) or under `quantization`
     {"quant_method": "modelopt", "quant_algo": "fp8", "ignore": ["lm_head"]},
     {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},

@@ -104,13 +104,19 @@ def checkpoint_quantization(
             raise ParamError("model", f"{field}.fmt {quant['fmt']!r}: only e4m3 is supported")
         _check_ignored(quant.get("ignored_layers") or quant.get("modules_to_not_convert"), field)
         return "fp8", _fp8_weight_blocks(quant, field)
+    if method == "fbgemm_fp8":
+        # transformers' FbgemmFp8Linear: `weight` e4m3 [N, K], `weight_scale` float32 [N, 1]
+        # (transformers 5.25); `activation_scale_ub` bounds static activation scales, which
+        # are not used here (activations are quantized per token)
+        _check_ignored(quant.get("modules_to_not_convert"), field)
+        return "fp8", None
     if method == "compressed-tensors":
         blocks = _compressed_tensors_weights(quant, field)
         _check_ignored(quant.get("ignore"), field)
         return "fp8", blocks
     raise ParamError(
         "model",
-        f"{field}.quant_method {method!r} is not supported; supported: fp8, "
+        f"{field}.quant_method {method!r} is not supported; supported: fp8, fbgemm_fp8, "
         "compressed-tensors FP8 and modelopt FP8 (float8_e4m3fn weights with per-tensor, "
         "per-channel or per-block scales)",
     )

@@ -195,15 +195,15 @@ MODELOPT_FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"}
 
 def _fp8_checkpoint(quant: Any) -> bool:
     """Whether config.json's quantization_config stores the projections in FP8: `quant_method:
-    fp8` (per tensor, channel or block), compressed-tensors whose weights are 8-bit floats, or
-    a ModelOpt export with an FP8 `quant_algo` (at the top or under `quantization`). Anything
-    else (absent, other schemes) counts as the accelerator dtype: the engine decides whether it
-    can serve it. (ModelOpt exports that keep their settings in hf_quant_config.json instead
+    fp8` (per tensor, channel or block) or `fbgemm_fp8` (per channel), compressed-tensors whose
+    weights are 8-bit floats, or a ModelOpt export with an FP8 `quant_algo` (at the top or under
+    `quantization`). Anything else (absent, other schemes) counts as the accelerator dtype: the
+    engine decides whether it can serve it. (ModelOpt exports that keep their settings in hf_quant_config.json instead
     are not seen here: their weights are counted at the model dtype, more than they take.)"""
     if not isinstance(quant, dict):
         return False
     method = quant.get("quant_method")
-    if method == "fp8":
+    if method in ("fp8", "fbgemm_fp8"):
         return True
     producer = quant.get("producer")
     if (isinstance(method, str) and method.lower() == "modelopt") or (

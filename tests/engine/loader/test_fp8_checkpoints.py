@@ -363,3 +363,44 @@ def test_modelopt_exports_refused_by_field(
     with pytest.raises(ParamError, match=match) as err:
         load_model(EngineConfig(model=str(target)), CPU)
     assert where in err.value.message
+
+
+def test_fbgemm_fp8_checkpoint_loads(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    """transformers' fbgemm FP8 layout (its FbgemmFp8Linear: `weight_scale` float32 [N, 1]),
+    with the quantization_config its FbgemmFp8Config writes; a module other than lm_head left
+    unquantized is refused by field."""
+    try:
+        from transformers.utils.quantization_config import FbgemmFp8Config
+    except ImportError:
+        unavailable("transformers without FbgemmFp8Config")
+    quant = FbgemmFp8Config(modules_to_not_convert=["lm_head"]).to_dict()
+    assert quant["quant_method"] == "fbgemm_fp8"
+    target = tmp_path / "fbgemm"
+    target.mkdir()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _hf_weights(qwen3_tiny_dir):
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if part not in PROJECTIONS:
+            out[name] = tensor
+            continue
+        scale = (tensor.abs().amax(dim=1, keepdim=True) / 448).float()
+        out[name] = (tensor / scale).to(torch.float8_e4m3fn)
+        out[name.replace(".weight", ".weight_scale")] = scale
+    save_file(out, str(target / "model.safetensors"))
+    config = json.loads((qwen3_tiny_dir / "config.json").read_text())
+    config["quantization_config"] = quant
+    (target / "config.json").write_text(json.dumps(config))
+    loaded = load_model(EngineConfig(model=str(target), dtype="float32"), CPU)
+    assert loaded.quantization == "fp8"
+    down = cast(LlamaDecoderLayer, loaded.model.model.layers[1]).mlp.down_proj
+    assert isinstance(down, Fp8Linear)
+    name = "model.layers.1.mlp.down_proj"
+    want = out[name + ".weight"].float() * out[name + ".weight_scale"]
+    assert torch.equal(down.dequantized_weight(torch.float32), want)
+
+    config["quantization_config"] = FbgemmFp8Config(
+        modules_to_not_convert=["lm_head", "model.layers.0.self_attn.o_proj"]
+    ).to_dict()
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ParamError, match="unquantized module 'model.layers.0.self_attn.o_proj'"):
+        load_model(EngineConfig(model=str(target)), CPU)
