@@ -76,9 +76,13 @@ def test_fetched_shape_feeds_the_preflight_check(hub: str) -> None:
     assert err.value.reason == "InsufficientMemory"
     # Without the fetched shape the check is skipped, not failed.
     assert make_plan("s", "ns", spec, load_catalog()).memory is None
-    # Remembered: a second reconcile does not fetch again.
+    # Remembered: a second reconcile does not fetch again. (Without a quantization_config in
+    # config.json, hf_quant_config.json is asked for once too: a 404 here.)
     asyncio.run(source.shapes_for(spec, load_shape_catalog()))
-    assert _Hub.requests == ["/org/big/resolve/main/config.json"]
+    assert _Hub.requests == [
+        "/org/big/resolve/main/config.json",
+        "/org/big/resolve/main/hf_quant_config.json",
+    ]
 
 
 def test_unreachable_or_missing_configs_leave_the_shape_unknown(hub: str) -> None:
@@ -171,3 +175,27 @@ def test_an_fp8_checkpoint_is_estimated_at_one_byte_per_projection_weight(
 )  # fmt: skip
 def test_other_checkpoints_count_at_the_accelerator_dtype(quant: Any) -> None:
     assert not shape_from_config({**BIG, "quantization_config": quant}).fp8_projections
+
+
+def test_a_modelopt_export_with_hf_quant_config_is_estimated_in_fp8(
+    hub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ModelOpt export whose settings are in hf_quant_config.json (config.json has no
+    quantization_config) counts at one byte per projection weight, as the engine loads it; a
+    repository without that file is read from config.json alone (its 404 is no error)."""
+    legacy = {"producer": {"name": "modelopt", "version": "0.29.0"},
+              "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}  # fmt: skip
+    monkeypatch.setattr(_Hub, "files", {
+        **_Hub.files,
+        "/org/mo/resolve/main/config.json": BIG,
+        "/org/mo/resolve/main/hf_quant_config.json": legacy,
+    })  # fmt: skip
+    shapes = asyncio.run(ModelConfigSource(hub).shapes_for(
+        make_spec(model={"source": "hf://org/mo", "revision": "main"}), load_shape_catalog()))  # fmt: skip
+    shape = shapes.find("org/mo")
+    assert shape is not None and shape.fp8_projections
+    plain = asyncio.run(ModelConfigSource(hub).shapes_for(
+        make_spec(model={"source": "hf://org/big", "revision": "main"}), load_shape_catalog()))  # fmt: skip
+    found = plain.find("org/big")
+    assert found is not None and not found.fp8_projections
+    assert "/org/big/resolve/main/hf_quant_config.json" in _Hub.requests

@@ -198,8 +198,8 @@ def _fp8_checkpoint(quant: Any) -> bool:
     fp8` (per tensor, channel or block) or `fbgemm_fp8` (per channel), compressed-tensors whose
     weights are 8-bit floats, or a ModelOpt export with an FP8 `quant_algo` (at the top or under
     `quantization`). Anything else (absent, other schemes) counts as the accelerator dtype: the
-    engine decides whether it can serve it. (ModelOpt exports that keep their settings in hf_quant_config.json instead
-    are not seen here: their weights are counted at the model dtype, more than they take.)"""
+    engine decides whether it can serve it. (A ModelOpt export that keeps its settings in
+    hf_quant_config.json: model_config.py passes that file as its quantization_config.)"""
     if not isinstance(quant, dict):
         return False
     method = quant.get("quant_method")
