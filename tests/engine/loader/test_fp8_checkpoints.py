@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -156,6 +157,18 @@ def _hf_weights(directory: Path) -> list[tuple[str, torch.Tensor]]:
     return list(load_file(str(directory / "model.safetensors")).items())
 
 
+def _with_projections(
+    source: Path, convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """`source`'s tensors with every decoder projection's weight replaced by what `convert`
+    (its name and tensor) gives."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _hf_weights(source):
+        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        out.update(convert(name, tensor) if part in PROJECTIONS else {name: tensor})
+    return out
+
+
 @pytest.mark.parametrize(
     ("layout", "suffix"), [("fp8", ".weight_scale_inv"), ("compressed-tensors", ".weight_scale")]
 )
@@ -221,13 +234,7 @@ def test_block_fp8_checkpoint_written_by_transformers(
     quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=quant_config))
     target = tmp_path / "hf-blk"
     target.mkdir()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in _hf_weights(qwen3_tiny_dir):
-        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if part in PROJECTIONS:
-            out.update(quantizer.convert({name: tensor}))
-        else:
-            out[name] = tensor
+    out = _with_projections(qwen3_tiny_dir, lambda name, t: quantizer.convert({name: t}))
     save_file(out, str(target / "model.safetensors"))
     config = json.loads((qwen3_tiny_dir / "config.json").read_text())
     config["quantization_config"] = quant_config.to_dict()
@@ -262,12 +269,8 @@ def _modelopt_checkpoint(source: Path, target: Path, algo: str, legacy: bool) ->
     v_proj. Its settings in config.json's quantization_config, or (`legacy`) in
     hf_quant_config.json beside a config.json without one. Returns the written tensors."""
     target.mkdir()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in _hf_weights(source):
-        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if part not in PROJECTIONS:
-            out[name] = tensor
-            continue
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         stem = name.removesuffix(".weight")
         if algo.upper() == "FP8_PB_WO":
             codes, scale = block_quantize(tensor, 128, 128)
@@ -276,10 +279,17 @@ def _modelopt_checkpoint(source: Path, target: Path, algo: str, legacy: bool) ->
             amax = tensor.abs().amax(dim=1) if per_channel else tensor.abs().amax()
             scale = (amax / 448).float()
             codes = (tensor / (scale[:, None] if per_channel else scale)).to(torch.float8_e4m3fn)
-        out[name], out[f"{stem}.weight_scale"] = codes, scale
-        out[f"{stem}.input_scale"] = torch.tensor(0.02)
-        if part in ("k_proj", "v_proj"):
+        out = {
+            name: codes,
+            f"{stem}.weight_scale": scale,
+            f"{stem}.input_scale": torch.tensor(0.02),
+        }
+        part = stem.rsplit(".", 1)[-1]
+        if part in ("k_proj", "v_proj"):  # ModelOpt's KV scales sit on k_proj and v_proj
             out[f"{stem}.{part[0]}_scale"] = torch.tensor(0.5)
+        return out
+
+    out = _with_projections(source, convert)
     save_file(out, str(target / "model.safetensors"))
     config = json.loads((source / "config.json").read_text())
     settings = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
@@ -377,15 +387,13 @@ def test_fbgemm_fp8_checkpoint_loads(qwen3_tiny_dir: Path, tmp_path: Path) -> No
     assert quant["quant_method"] == "fbgemm_fp8"
     target = tmp_path / "fbgemm"
     target.mkdir()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in _hf_weights(qwen3_tiny_dir):
-        part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if part not in PROJECTIONS:
-            out[name] = tensor
-            continue
-        scale = (tensor.abs().amax(dim=1, keepdim=True) / 448).float()
-        out[name] = (tensor / scale).to(torch.float8_e4m3fn)
-        out[name.replace(".weight", ".weight_scale")] = scale
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = (tensor.abs().amax(dim=1, keepdim=True) / 448).float()  # [N, 1]
+        codes = (tensor / scale).to(torch.float8_e4m3fn)
+        return {name: codes, name.replace(".weight", ".weight_scale"): scale}
+
+    out = _with_projections(qwen3_tiny_dir, convert)
     save_file(out, str(target / "model.safetensors"))
     config = json.loads((qwen3_tiny_dir / "config.json").read_text())
     config["quantization_config"] = quant
