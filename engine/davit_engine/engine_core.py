@@ -23,7 +23,6 @@ from davit_engine.loader import (
     check_tensor_parallel,
     load_model,
     read_model_config,
-    resolve_quantization,
 )
 from davit_engine.memory.allocator import configure_cuda_allocator
 from davit_engine.offload import PROFILE_OFFLOAD_KEYS, build_tiers, staging_chunk
@@ -104,9 +103,7 @@ class EngineCore:
         self.ranks: RankGroup | None = None
         if config.tensor_parallel_size > 1:
             # Refused here, before any worker process starts.
-            model_config = read_model_config(config.model)
-            quantization = resolve_quantization(config.quantization, model_config, config.model)
-            check_tensor_parallel(config, model_config, quantization)
+            check_tensor_parallel(config, read_model_config(config.model))
             self.ranks = RankGroup(config, device)
         try:
             self._start(config, device, kind, reason)

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from davit_engine.llm import LLM
 from davit_engine.rank_workers import RankFailedError
@@ -40,6 +42,7 @@ PROMPTS = [
     [1, 5, 9, 33, 200, 7, 8, 100, 101, 102, 17, 18, 19, 20, 21, 22, 23, 24, 40, 41, 42],
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+CPU = torch.device("cpu")
 
 
 def _greedy(model: str, size: int, prompts: list[Any], **args: Any) -> list[list[int]]:
@@ -74,6 +77,72 @@ def test_a_safetensors_directory_is_cut_per_rank_as_it_loads(qwen3_tiny_dir: Pat
     assert split == whole
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"quantization": "fp8"},
+        {"kv_cache_dtype": "fp8"},
+        {"quantization": "fp8", "lm_head_quantization": "fp8"},
+        {"kv_cache_dtype": "fp8", "lm_head_quantization": "fp8"},
+    ],
+    ids=["weights", "kv", "weights-lm-head", "kv-lm-head"],
+)
+def test_fp8_two_ranks_match_one_token_for_token(args: dict[str, Any]) -> None:
+    """FP8 weights are quantized before they are cut (a row-parallel projection's channel
+    scales come from whole rows), the LM head per vocabulary row, and the KV cache's per-layer
+    scales are the largest over every rank's heads: each rank holds its cut of the single-device
+    model, so greedy tokens are the same (prefill chunks of at most 16 tokens here: the
+    weight-only products, whose activations are not quantized)."""
+    whole = _greedy("random:qwen3-tiny", 1, PROMPTS, tokenizer="byte", **args)
+    split = _greedy("random:qwen3-tiny", 2, PROMPTS, tokenizer="byte", **args)
+    assert split == whole
+    bf16 = _greedy("random:qwen3-tiny", 1, PROMPTS, tokenizer="byte")
+    assert whole != bf16  # the FP8 options changed the numbers they run on
+
+
+def _logprobs(size: int, args: dict[str, Any]) -> list[list[float]]:
+    llm = LLM("random:qwen3-tiny", tensor_parallel_size=size, tokenizer="byte",
+              **{**ENGINE_ARGS, **args})  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=1)
+        return [[t.logprob for t in o.logprobs or []] for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.shutdown()
+
+
+def test_fp8_weights_and_kv_on_two_ranks_stay_close_to_one() -> None:
+    """With FP8 weights and an FP8 cache together the ranks differ from one device in one
+    place: the KV scales' calibration prefill (512 tokens) runs the products that quantize
+    their activations per token, and a row-parallel projection's ranks each take a token's
+    scale over their own input columns. The scales, and so the cache's rounding, move a little;
+    the first tokens' log-probabilities stay within 0.01 of one device's."""
+    args = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    whole, split = _logprobs(1, args), _logprobs(2, args)
+    assert [len(p) for p in split] == [len(p) for p in whole] == [3] * len(PROMPTS)
+    gaps = [
+        abs(a - b) for w, s in zip(whole, split, strict=True) for a, b in zip(w, s, strict=True)
+    ]
+    assert max(gaps) < 0.01
+
+
+def test_fp8_checkpoints_are_cut_per_rank(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint with per-tensor and per-channel scales, and a block-wise one (converted to
+    channel scales before it is cut), give the single-device tokens on two ranks."""
+    from davit_engine.config import EngineConfig
+    from davit_engine.loader import load_model
+    from davit_tools.bench.fp8_quality import write_block_fp8_checkpoint
+    from tests.engine.loader.test_fp8_checkpoints import _fp8_checkpoint
+
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "channel")
+    config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
+    weights = list(load_file(str(qwen3_tiny_dir / "model.safetensors")).items())
+    write_block_fp8_checkpoint(config, weights, tmp_path / "block", (32, 32))
+    for name in ("channel", "block"):
+        model = str(tmp_path / name)
+        whole = _greedy(model, 1, PROMPTS, tokenizer="byte")
+        assert _greedy(model, 2, PROMPTS, tokenizer="byte") == whole, name
+
+
 @pytest.mark.slow
 def test_smollm2_three_ranks_match_one_token_for_token(smollm2_gguf: Path) -> None:
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -89,8 +158,6 @@ def test_smollm2_three_ranks_match_one_token_for_token(smollm2_gguf: Path) -> No
         ("random:qwen2-tiny", {}, "--tensor-parallel-size", "1 KV heads"),
         ("random:qwen3-tiny", {"runner": "v2"}, "--runner", "does not support"),
         ("random:qwen3-tiny", {"kv_offloading_size": 1.0}, "--kv-offloading-size", "KV offload"),
-        ("random:qwen3-tiny", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype", "FP8"),
-        ("random:qwen3-tiny", {"lm_head_quantization": "fp8"}, "--lm-head-quantization", "FP8"),
     ],
 )
 def test_what_cannot_be_split_is_refused_by_flag(

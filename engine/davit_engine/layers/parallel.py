@@ -103,10 +103,17 @@ class VocabParallelLMHead(nn.Module):
         self.tp = tp
         self.vocab_size = vocab_size
         self.num_rows = rows_per_rank(vocab_size, tp.size)
-        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+        # The rank's rows as another module (an FP8 LM head: quant/fp8_linear.py), or None:
+        # `weight` in the model dtype.
+        self.projection: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [N, n]
+        if self.projection is not None:
+            local = self.projection(hidden)  # [N, n]
+        else:
+            assert self.weight is not None
+            local = F.linear(hidden, self.weight)
         if not self.tp.is_leader:
             dist.gather(local, None, dst=0, group=self.tp.group)
             return local

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +28,13 @@ from davit_engine.loader import gguf_file, safetensors_dir
 from davit_engine.loader.random_weights import fill_random, iter_random_weights
 from davit_engine.models.config import ModelConfig
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
-from davit_engine.models.parallel import FLAG as TP_FLAG
 from davit_engine.models.parallel import parallelize, rank_config, shard_weights
 from davit_engine.quant.block_fp8 import convert_block_scaled
 from davit_engine.quant.fp8_linear import (
     install_fp8_projections,
     quantize_lm_head,
     quantize_projections,
+    quantize_weight_stream,
 )
 from davit_engine.quant.kv_scales import calibrate_kv_scales
 from davit_engine.quant.support import (
@@ -187,7 +187,7 @@ def load_model(
         model_config = read_model_config(config.model)
     quantization = resolve_quantization(config.quantization, model_config, config.model)
     if tensor_parallel is not None:
-        check_tensor_parallel(config, model_config, quantization)
+        check_tensor_parallel(config, model_config)
     if quantization == "fp8":
         flag = "--quantization" if config.quantization else "model"
         check_fp8_device(device, flag, f"{config.model}: fp8 quantization")
@@ -199,16 +199,26 @@ def load_model(
         check_fp8_device(device, "--lm-head-quantization", "fp8")
     dtype = resolve_dtype(config.dtype, kind, model_config, device)
     prequantized = model_config.quantization == "fp8"
+    # A tensor-parallel rank quantizes the checkpoint stream before cutting it (each rank then
+    # holds its cut of the single-device quantization), so its model is built with FP8
+    # projections like a pre-quantized checkpoint's.
+    stream_quantized = tensor_parallel is not None and quantization == "fp8" and not prequantized
     model = build_empty(
-        model_config, dtype, device, fp8_projections=prequantized, tensor_parallel=tensor_parallel
+        model_config,
+        dtype,
+        device,
+        fp8_projections=prequantized or stream_quantized,
+        tensor_parallel=tensor_parallel,
     )
     with torch.no_grad():
         if tensor_parallel is not None:
             if kind == "random":
                 weights = iter_random_weights(model_config, config.seed, device)
             elif kind == "safetensors":
-                weights = safetensors_dir.iter_weights(Path(config.model))
+                weights = _safetensors_stream(config.model, model_config, device)
             assert weights is not None
+            if stream_quantized:
+                weights = quantize_weight_stream(weights, dtype)
             model.load_weights(shard_weights(weights, model_config, tensor_parallel), config.model)
         elif kind == "random":
             fill_random(model, config.seed)
@@ -216,19 +226,12 @@ def load_model(
             assert weights is not None
             model.load_weights(weights, config.model)
         else:
-            tensors = safetensors_dir.iter_weights(Path(config.model))
-            blocks = model_config.weight_blocks
-            if blocks is not None:
-                tensors = convert_block_scaled(tensors, blocks, config.model, device)
-                logger.warning(
-                    "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one "
-                    "scale per output channel (values of blocks with a smaller scale than "
-                    "their row's largest are rounded to e4m3 a second time; docs/fp8.md "
-                    "gives the perplexity cost)",
-                    config.model, blocks.rows, blocks.cols,
-                )  # fmt: skip
-            model.load_weights(tensors, config.model)
-        if quantization == "fp8" and not prequantized:
+            model.load_weights(
+                _safetensors_stream(config.model, model_config, device), config.model
+            )
+        if stream_quantized:
+            logger.info("quantized the decoder projections to fp8 (per-channel scales) as read")
+        elif quantization == "fp8" and not prequantized:
             count = quantize_projections(model)
             logger.info("quantized %d projections to fp8 (per-channel scales)", count)
         if lm_head_quantization == "fp8":
@@ -239,7 +242,7 @@ def load_model(
             )
     kv_scale_source = "none"
     if fp8_kv:
-        calibrate_kv_scales(model, device, dtype)
+        calibrate_kv_scales(model, device, dtype, tensor_parallel=tensor_parallel)
         kv_scale_source = "calibrated"
         logger.info("fp8 KV cache: per-layer scales calibrated at load")
     logger.info(
@@ -268,25 +271,24 @@ def load_model(
     )
 
 
-def check_tensor_parallel(
-    config: EngineConfig, model_config: ModelConfig, quantization: str = "none"
-) -> None:
-    """Refuse, naming the flag, what tensor parallelism cannot run: a size that does not divide
-    the model's heads and MLP width, and FP8 weights or KV cache (not split per rank yet)."""
+def _safetensors_stream(
+    model: str, model_config: ModelConfig, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors directory's tensors, block-wise FP8 weights converted to channel scales."""
+    tensors = safetensors_dir.iter_weights(Path(model))
+    blocks = model_config.weight_blocks
+    if blocks is None:
+        return tensors
+    logger.warning(
+        "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one scale per "
+        "output channel (values of blocks with a smaller scale than their row's largest are "
+        "rounded to e4m3 a second time; docs/fp8.md gives the perplexity cost)",
+        model, blocks.rows, blocks.cols,
+    )  # fmt: skip
+    return convert_block_scaled(tensors, blocks, model, device)
+
+
+def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse, naming --tensor-parallel-size, a size that does not divide the model's heads and
+    MLP width."""
     rank_config(model_config, config.tensor_parallel_size)
-    asked = [
-        flag
-        for flag, on in (
-            ("--kv-cache-dtype", is_fp8_kv(config.kv_cache_dtype)),
-            ("--quantization", quantization == "fp8"),
-            ("--lm-head-quantization", config.lm_head_quantization is not None),
-        )
-        if on
-    ]
-    if asked:
-        flag = asked[0]
-        raise ParamError(
-            flag,
-            f"FP8 is not supported with {TP_FLAG} {config.tensor_parallel_size} yet (its scales "
-            f"are not split per rank): use {TP_FLAG} 1 or the model dtype",
-        )

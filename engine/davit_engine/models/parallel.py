@@ -46,6 +46,12 @@ COLUMN_SUFFIXES: tuple[str, ...] = (
     ".gate_proj.weight",
     ".up_proj.weight",
 )
+# FP8 projections' channel scales (one per output row) follow their rows; one scale for a
+# whole projection, and a row-parallel projection's scales (its output rows are whole on every
+# rank), stay whole.
+COLUMN_SCALE_SUFFIXES: tuple[str, ...] = tuple(
+    suffix + "_scale" for suffix in COLUMN_SUFFIXES if suffix.endswith(".weight")
+)
 # Split by input columns: row-parallel (their outputs are partial sums, all-reduced).
 ROW_SUFFIXES: tuple[str, ...] = (".o_proj.weight", ".down_proj.weight")
 # Split by vocabulary rows, padded to a multiple of the rank count.
@@ -106,9 +112,13 @@ def parallelize(model: LlamaForCausalLM, full: ModelConfig, tp: TensorParallel) 
 def shard_weights(
     weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig, tp: TensorParallel
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The rank's part of each checkpoint tensor (names unchanged; other tensors whole)."""
+    """The rank's part of each checkpoint tensor (names unchanged; other tensors whole). FP8
+    weights come with one scale per output channel or per projection (block scales are
+    converted to channel scales before the stream gets here)."""
     for name, tensor in weights:
-        if name.endswith(COLUMN_SUFFIXES):
+        if name.endswith(COLUMN_SUFFIXES) or (
+            name.endswith(COLUMN_SCALE_SUFFIXES) and tensor.numel() > 1
+        ):
             yield name, _split(tensor, 0, tp)
         elif name.endswith(ROW_SUFFIXES):
             yield name, _split(tensor, 1, tp)

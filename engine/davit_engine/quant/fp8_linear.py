@@ -28,6 +28,7 @@ Weights quantized at load take their per-channel scale from the channel's absolu
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,6 +43,7 @@ from davit_engine.kernels.fp8_linear import (
 )
 from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+from davit_engine.layers.parallel import VocabParallelLMHead
 
 
 class Fp8Linear(nn.Module):
@@ -97,9 +99,8 @@ class Fp8Linear(nn.Module):
             weight.device,
         )
         with torch.no_grad():
-            amax = weight.float().abs().amax(dim=1)  # [N]
-            scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-            module.weight.copy_(quantize_fp8(weight, scale[:, None]))
+            codes, scale = quantize_channels(weight)
+            module.weight.copy_(codes)
             module.weight_scale.copy_(scale)
             if linear.bias is not None and module.bias is not None:
                 module.bias.copy_(linear.bias.detach())
@@ -220,6 +221,38 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
+# Checkpoint names of the decoder projections' weights (what `quantize_weight_stream` converts).
+PROJECTION_WEIGHT_SUFFIXES: tuple[str, ...] = tuple(
+    f".{name}.weight"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
+
+
+def quantize_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [N, K] as per-channel FP8: (e4m3 codes [N, K], float32 scales [N]), each
+    channel's scale its absolute maximum over 448 (at least `MIN_SCALE`)."""
+    amax = weight.float().abs().amax(dim=1)  # [N]
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return quantize_fp8(weight, scale[:, None]), scale
+
+
+def quantize_weight_stream(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint stream with every decoder projection's weight replaced by its per-channel
+    FP8 codes and `weight_scale`, each weight first rounded to the model's `dtype`: the numbers
+    `quantize_projections` gives a loaded model. Tensor parallelism quantizes the stream before
+    cutting it, so every rank holds its cut of the single-device quantization (a row-parallel
+    projection's channel scales come from whole rows)."""
+    for name, tensor in weights:
+        if name.endswith(PROJECTION_WEIGHT_SUFFIXES) and tensor.dtype != FP8_DTYPE:
+            codes, scale = quantize_channels(tensor.to(dtype))
+            yield name, codes
+            yield name.removesuffix(".weight") + ".weight_scale", scale
+        else:
+            yield name, tensor
+
+
 def quantize_projections(model: nn.Module) -> int:
     """Replace every decoder projection by its per-channel FP8 quantization; returns how many.
 
@@ -237,6 +270,19 @@ def quantize_lm_head(model: nn.Module) -> None:
     head tied to the embedding gets an FP8 copy of its own, the embedding keeps the model
     dtype (it is read one row per token); an untied head's weight is released."""
     head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelLMHead):  # a tensor-parallel rank's rows (one scale each)
+        weight = head.weight
+        assert weight is not None
+        rows = Fp8Linear(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
+        with torch.no_grad():
+            codes, scale = quantize_channels(weight.detach())
+            rows.weight.copy_(codes)
+            rows.weight_scale.copy_(scale)
+        head.projection = _with_input_policy("lm_head", rows)
+        embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if weight is not getattr(embedding, "weight", None):
+            head.weight = None
+        return
     if not isinstance(head, nn.Linear):
         raise TypeError(f"{type(model).__name__} has no nn.Linear LM head (model.lm_head)")
     model.lm_head = _with_input_policy("lm_head", Fp8Linear.from_linear(head))

@@ -27,9 +27,11 @@ a measured gain (docs/fp8.md).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from davit_engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from davit_engine.layers.fp8 import FP8_MAX, MIN_SCALE, hadamard, rotates_keys
+from davit_engine.layers.parallel import TensorParallel
 from davit_engine.models.config import ModelConfig
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -111,11 +113,19 @@ def calibrate_kv_scales(
     headroom: float = HEADROOM,
     num_tokens: int = CALIBRATION_TOKENS,
     seed: int = CALIBRATION_SEED,
+    tensor_parallel: TensorParallel | None = None,
 ) -> torch.Tensor:
     """Run the calibration prefill and set every layer's scales; returns them
-    (`[num_layers, 2, Hkv]`)."""
+    (`[num_layers, 2, Hkv]`). With `tensor_parallel` every rank runs it at once (the prefill's
+    collectives) over its own KV heads, and a layer's scale is its largest over all ranks'
+    heads: the single-device scale."""
     num_tokens = max(1, min(num_tokens, model.config.max_position_embeddings))
     ids = calibration_ids(model.config, num_tokens, seed)
-    scales = scales_from_amax(measure_kv_amax(model, ids, device, dtype), per_head, headroom)
+    amax = measure_kv_amax(model, ids, device, dtype)
+    if tensor_parallel is not None and not per_head:
+        layer_amax = amax.amax(dim=2, keepdim=True).contiguous()
+        dist.all_reduce(layer_amax, op=dist.ReduceOp.MAX, group=tensor_parallel.control_group)
+        amax = layer_amax.expand_as(amax)
+    scales = scales_from_amax(amax, per_head, headroom)
     set_kv_scales(model, scales)
     return scales
