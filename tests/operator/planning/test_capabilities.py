@@ -18,6 +18,7 @@ from davit_engine.engine_flags import (
     check_parallelism,
     check_speculative_config,
 )
+from davit_engine.server.cli import build_parser
 from davit_engine.types import ParamError
 from davit_operator.api.spec import InferenceServiceSpec
 from davit_operator.catalog.loader import Catalog, CatalogError, load_catalog
@@ -338,7 +339,8 @@ def test_the_davit_catalog_entry_matches_the_engine_refusals() -> None:
 def test_davit_tensor_parallelism_runs_on_runner_v1() -> None:
     """Davit 0.1.0 serves parallelism.tensor up to 8 on runner V1 (its V2 has no tensor
     parallelism): auto falls back and says why, a forced V2 is refused, and the combinations
-    its V1 refuses with several ranks (KV offload tiers, FP8) are refused by field."""
+    its V1 refuses with several ranks (KV offload tiers) are refused by field; FP8 weights, KV
+    cache and LM head pass to every rank."""
     p = plan(make_spec(parallelism={"tensor": 2}, accelerator={"count": 2}))
     assert p.runner.name == "v1" and p.runner.is_fallback
     assert "tensor parallelism" in p.runner.reason
@@ -358,9 +360,11 @@ def test_davit_tensor_parallelism_runs_on_runner_v1() -> None:
         )
     )
     assert "features.kvCacheOffloading" in err.message
-    err = refusal(
-        make_spec(
-            parallelism={"tensor": 2}, accelerator={"count": 2}, engine={"kvCacheDtype": "fp8"}
-        )
-    )
-    assert "engine.kvCacheDtype" in err.message
+    fp8 = {"quantization": "fp8", "kvCacheDtype": "fp8", "lmHeadQuantization": "fp8"}
+    p = plan(make_spec(parallelism={"tensor": 2}, accelerator={"count": 2}, engine=fp8))
+    args = p.invocation.args
+    assert p.runner.name == "v1"
+    for flag in ("--quantization", "--kv-cache-dtype", "--lm-head-quantization"):
+        assert args[args.index(flag) + 1] == "fp8"
+    parsed = build_parser().parse_args(args)  # the engine's own parser takes them together
+    assert parsed.tensor_parallel_size == 2 and parsed.lm_head_quantization == "fp8"
