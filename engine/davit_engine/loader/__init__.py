@@ -218,7 +218,7 @@ def load_model(
                 weights = _safetensors_stream(config.model, model_config, device)
             assert weights is not None
             if stream_quantized:
-                weights = quantize_weight_stream(weights, dtype)
+                weights = quantize_weight_stream(weights, dtype, device)
             model.load_weights(shard_weights(weights, model_config, tensor_parallel), config.model)
         elif kind == "random":
             fill_random(model, config.seed)

@@ -237,16 +237,17 @@ def quantize_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def quantize_weight_stream(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint stream with every decoder projection's weight replaced by its per-channel
     FP8 codes and `weight_scale`, each weight first rounded to the model's `dtype`: the numbers
     `quantize_projections` gives a loaded model. Tensor parallelism quantizes the stream before
     cutting it, so every rank holds its cut of the single-device quantization (a row-parallel
-    projection's channel scales come from whole rows)."""
+    projection's channel scales come from whole rows). Each weight is quantized on `device`
+    (the model's), one at a time."""
     for name, tensor in weights:
         if name.endswith(PROJECTION_WEIGHT_SUFFIXES) and tensor.dtype != FP8_DTYPE:
-            codes, scale = quantize_channels(tensor.to(dtype))
+            codes, scale = quantize_channels(tensor.to(device=device, dtype=dtype))
             yield name, codes
             yield name.removesuffix(".weight") + ".weight_scale", scale
         else:

@@ -120,3 +120,47 @@ def test_each_rank_loads_its_cut_of_every_weight(shape: str) -> None:
         else:
             head_rows = whole.lm_head.weight[rank * n : (rank + 1) * n]
             assert torch.equal(part.lm_head.weight[: head_rows.shape[0]], head_rows)
+
+
+def test_each_rank_loads_its_cut_of_the_fp8_quantization() -> None:
+    """The stream quantized before it is cut (`quantize_weight_stream`) gives each rank the
+    single-device `quantize_projections` codes, column projections' channel scales cut with
+    their rows and row projections' scales whole."""
+    from davit_engine.quant.fp8_linear import (
+        Fp8Linear,
+        quantize_projections,
+        quantize_weight_stream,
+    )
+
+    config = get_shape("qwen3-tiny")
+    whole = _whole_model(config, seed=5)
+    quantize_projections(whole)
+    size = 2
+    c = rank_config(config, size)
+    for rank in range(size):
+        tp = TensorParallel(rank=rank, size=size)
+        part = build_empty(config, torch.float32, CPU, fp8_projections=True, tensor_parallel=tp)
+        stream = quantize_weight_stream(iter_random_weights(config, 5, CPU), torch.float32, CPU)
+        with torch.no_grad():
+            part.load_weights(shard_weights(stream, config, tp), "random")
+        for index in range(config.num_layers):
+            w, p = whole.model.layers[index], part.model.layers[index]
+            cuts = {  # (whole module, rank module, rows of each part or None, columns or None)
+                "o_proj": (w.self_attn.o_proj, p.self_attn.o_proj, None, c.q_size),
+                "down_proj": (w.mlp.down_proj, p.mlp.down_proj, None, c.intermediate_size),
+                "gate_up_proj": (w.mlp.gate_up_proj, p.mlp.gate_up_proj,
+                                 [config.intermediate_size] * 2, None),
+            }  # fmt: skip
+            for name, (full, mine, parts, columns) in cuts.items():
+                assert isinstance(full, Fp8Linear) and isinstance(mine, Fp8Linear)
+                codes, scale = full.weight.view(torch.uint8), full.weight_scale
+                if columns is not None:  # row-parallel: input columns cut, scales whole
+                    codes = codes[:, rank * columns : (rank + 1) * columns]
+                else:
+                    assert parts is not None
+                    n = parts[0] // size
+                    rows = [t[rank * n : (rank + 1) * n] for t in codes.split(parts)]
+                    scales = [t[rank * n : (rank + 1) * n] for t in scale.split(parts)]
+                    codes, scale = torch.cat(rows), torch.cat(scales)
+                assert torch.equal(mine.weight.view(torch.uint8), codes), name
+                assert torch.equal(mine.weight_scale, scale), name
