@@ -30,7 +30,7 @@ def read_config(directory: Path) -> ModelConfig:
     legacy = directory / MODELOPT_QUANT_CONFIG
     if raw.get("quantization_config") is None and legacy.is_file():
         raw["quantization_config"] = _json_object(legacy)
-        quantization_source = str(legacy)
+        quantization_source = f"{legacy}: $"  # errors name its keys as $.quantization...
     config = model_config_from_hf(raw, str(path), quantization_source)
     generation = directory / "generation_config.json"
     if generation.is_file():
