@@ -240,6 +240,12 @@ def load_model(
                 "--lm-head-quantization fp8: the LM head's weight is FP8 (per-row scales); "
                 "logits are rounded beyond the model dtype's"
             )
+    if model_config.declares_fp8_kv and not fp8_kv:
+        logger.info(
+            "%s declares an FP8 KV cache; the cache stays in %s (it is lossy: "
+            "--kv-cache-dtype fp8 turns it on, with scales calibrated at load)",
+            config.model, dtype,
+        )  # fmt: skip
     kv_scale_source = "none"
     if fp8_kv:
         calibrate_kv_scales(model, device, dtype, tensor_parallel=tensor_parallel)

@@ -76,7 +76,12 @@ def model_config_from_hf(
         quantization_source or f"{source}: quantization_config",
         config.num_layers,
     )
-    config = dataclasses.replace(config, quantization=quantization, weight_blocks=weight_blocks)
+    config = dataclasses.replace(
+        config,
+        quantization=quantization,
+        weight_blocks=weight_blocks,
+        declares_fp8_kv=declares_fp8_kv(raw.get("quantization_config")),
+    )
     config.validate(source)
     return config
 
@@ -239,6 +244,23 @@ def _modelopt_weights(quant: dict[str, Any], field: str, num_layers: int) -> Wei
     _check_excluded(settings.get(key), f"{where}.{key}", num_layers)
     size = MODELOPT_FP8_ALGOS[algo.upper()]
     return None if size is None else WeightBlocks(size[0], size[1], ".weight_scale")
+
+
+def declares_fp8_kv(quant: Any) -> bool:
+    """Whether a ModelOpt export declares an FP8 KV cache: `kv_cache_quant_algo` FP8 (any case,
+    at the top or under `quantization`) or a `kv_cache_scheme` of 8-bit floats, the forms
+    vLLM 0.33.0 reads (utils/torch_utils.py)."""
+    if not isinstance(quant, dict) or not _is_modelopt(quant):
+        return False
+    nested = quant.get("quantization")
+    for settings in (nested if isinstance(nested, dict) else {}, quant):
+        scheme = settings.get("kv_cache_scheme")
+        if isinstance(scheme, dict):
+            return scheme.get("type") == "float" and scheme.get("num_bits") == 8
+        algo = settings.get("kv_cache_quant_algo")
+        if isinstance(algo, str):
+            return algo.lower() == "fp8"
+    return False
 
 
 def _check_excluded(patterns: Any, field: str, num_layers: int) -> None:

@@ -62,6 +62,9 @@ class ModelConfig:
     # An FP8 checkpoint whose scales are per block of each weight (None: per tensor or per
     # output channel, `weight_scale`).
     weight_blocks: WeightBlocks | None = None
+    # The checkpoint declares an FP8 KV cache (a ModelOpt export's kv_cache_quant_algo or
+    # kv_cache_scheme); the cache still follows --kv-cache-dtype.
+    declares_fp8_kv: bool = False
 
     def validate(self, source: str) -> None:
         """Raise ParamError naming `source` and the field when the shape cannot work."""

@@ -412,3 +412,21 @@ def test_fbgemm_fp8_checkpoint_loads(qwen3_tiny_dir: Path, tmp_path: Path) -> No
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(ParamError, match="unquantized module 'model.layers.0.self_attn.o_proj'"):
         load_model(EngineConfig(model=str(target)), CPU)
+
+
+def test_a_modelopt_fp8_kv_declaration_is_reported_not_applied(
+    qwen3_tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kv_cache_quant_algo: FP8` (written by `_modelopt_checkpoint`) leaves the cache in the
+    model dtype unless --kv-cache-dtype fp8 asks for it, and the load says so."""
+    _modelopt_checkpoint(qwen3_tiny_dir, tmp_path / "mo", "FP8", legacy=True)
+    with caplog.at_level("INFO", logger="davit_engine.loader"):
+        loaded = load_model(EngineConfig(model=str(tmp_path / "mo"), dtype="float32"), CPU)
+    assert loaded.config.declares_fp8_kv and loaded.kv_cache_dtype != "fp8"
+    assert "declares an FP8 KV cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="davit_engine.loader"):
+        fp8 = load_model(
+            EngineConfig(model=str(tmp_path / "mo"), dtype="float32", kv_cache_dtype="fp8"), CPU
+        )
+    assert fp8.kv_cache_dtype == "fp8" and "declares an FP8 KV cache" not in caplog.text
