@@ -455,8 +455,9 @@ MAX_SPLITS = 16
 # Warps per program of a decode split in many short ranges (W2's: one request, 16 splits of 72
 # keys). Compiled for sm_90 by Triton 3.6 at W2's shape over an FP8 cache (64-key tiles, queries
 # rotated, loads before the wait) it takes 255 registers and spills 168 bytes at 4 warps, 246
-# registers and no spills at 8 (without `LOADS_BEFORE_WAIT` 248 and none at 4). Not timed at 8
-# yet: a module constant so that a benchmark can run the engine each way.
+# registers and no spills at 8 (without `LOADS_BEFORE_WAIT` 248 and none at 4). At 8, W2 on an
+# H100 ran level (bench notes, run 29: 287.7 decode tok/s against 287.8 and 288.3), so 4 stays.
+# A module constant so that a benchmark can run the engine each way.
 SHORT_SPLIT_NUM_WARPS = 4
 # Decode programs one multiprocessor holds at once, by cache kind, as compiled for sm_90 by
 # Triton 3.6 (16/8 heads of 128, pages of 16): the model-dtype tile takes 118 registers per
@@ -503,9 +504,11 @@ BALANCE_SPLITS = False
 # of each (request, q tile, KV head)'s split programs to finish (`_merge_in_last_split`), instead
 # of by a second kernel: at W2's decode (one request, 8 KV heads, 16 splits) that kernel is one
 # more launch a layer, 32 a step, each a few microseconds. Its programs take tickets from
-# counters kept per device (`_SPLIT_COUNTERS`); a launch that would have to make or grow them
-# inside a CUDA graph capture takes the two kernels. Off: not timed on a GPU yet. A switch so
-# that a benchmark can time both.
+# counters kept per device (`kernels.zeroed_counters`); a launch that would have to make or grow
+# them inside a CUDA graph capture takes the two kernels. Off: slower on an H100 (bench notes,
+# run 29: W2 with FP8 weights and KV 278.6 decode tok/s against 287.7, one round each;
+# presumably the last split's merge runs after its own work, on the critical path, where the merge
+# kernel's launch overlapped under PDL). A switch so that a benchmark can time both.
 MERGE_IN_LAST_SPLIT = False
 # Waves per cache kind: the best of 2, 3 and 4 for both in the list-scheduling model of W1
 # (`python -m davit_tools.bench.split_model`: FP8 -14.6%, bf16 -5.5% against the engine's

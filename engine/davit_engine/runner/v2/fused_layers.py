@@ -123,8 +123,10 @@ def _attention_heads(
 
 # Whether a one-token step's FP8 q/k/v product also does the rotary kernel's work
 # (`fp8_gemv.fp8_gemv_rope`: the last program of each head rotates it and writes the cache),
-# so the rotary kernel is not launched: one launch fewer a layer. Off: not timed on a GPU yet.
-# A switch so that a benchmark can time both.
+# so the rotary kernel is not launched: one launch fewer a layer. Off: slower on an H100 (bench
+# notes, run 29: W2 with FP8 weights and KV 283.9 decode tok/s against 288.3, two rounds each;
+# presumably the head's finish in the product's last program lengthens its tail by more than the
+# launch it saves). A switch so that a benchmark can time both.
 ROPE_IN_QKV_PRODUCT = False
 
 
