@@ -6,7 +6,12 @@ import dataclasses
 from fnmatch import fnmatchcase
 from typing import Any
 
-from davit_engine.models.config import ARCHITECTURES, ModelConfig, WeightBlocks
+from davit_engine.models.config import (
+    ARCHITECTURES,
+    DECODER_PROJECTIONS,
+    ModelConfig,
+    WeightBlocks,
+)
 from davit_engine.types import ParamError
 
 # Which model_type values map to which composition, and what each implies beyond config.json.
@@ -204,10 +209,6 @@ MODELOPT_FP8_ALGOS: dict[str, tuple[int, int] | None] = {
     "FP8_PER_CHANNEL_PER_TOKEN": None,
     "FP8_PB_WO": (128, 128),
 }
-# Decoder projections by checkpoint name, for ModelOpt's exclusion patterns.
-_PROJECTION_NAMES = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
-    f"mlp.{p}_proj" for p in ("gate", "up", "down")
-)
 
 
 def _is_modelopt(quant: dict[str, Any]) -> bool:
@@ -225,13 +226,7 @@ def _modelopt_weights(quant: dict[str, Any], field: str, num_layers: int) -> Wei
     """The FP8 layout of a ModelOpt export. Its settings are either under `quantization`
     (`quant_algo`, `exclude_modules`: hf_quant_config.json's form) or at the top (`quant_algo`,
     `ignore` or `exclude_modules`)."""
-    nested = quant.get("quantization")
-    if nested is not None:
-        if not isinstance(nested, dict):
-            raise ParamError("model", f"{field}.quantization must be an object")
-        settings, where = nested, f"{field}.quantization"
-    else:
-        settings, where = quant, field
+    settings, where = _modelopt_settings(quant, field)
     algo = settings.get("quant_algo")
     if not isinstance(algo, str) or algo.upper() not in MODELOPT_FP8_ALGOS:
         raise ParamError(
@@ -240,10 +235,21 @@ def _modelopt_weights(quant: dict[str, Any], field: str, num_layers: int) -> Wei
             f"{', '.join(MODELOPT_FP8_ALGOS)} (FP8 weights per tensor, per channel or per "
             "128 x 128 block)",
         )
-    key = "ignore" if nested is None and "ignore" in settings else "exclude_modules"
+    key = "ignore" if settings is quant and "ignore" in settings else "exclude_modules"
     _check_excluded(settings.get(key), f"{where}.{key}", num_layers)
     size = MODELOPT_FP8_ALGOS[algo.upper()]
     return None if size is None else WeightBlocks(size[0], size[1], ".weight_scale")
+
+
+def _modelopt_settings(quant: dict[str, Any], field: str) -> tuple[dict[str, Any], str]:
+    """A ModelOpt export's settings and their name in errors: the object under `quantization`
+    (hf_quant_config.json's form) where there is one, else `quant` itself."""
+    nested = quant.get("quantization")
+    if nested is None:
+        return quant, field
+    if not isinstance(nested, dict):
+        raise ParamError("model", f"{field}.quantization must be an object")
+    return nested, f"{field}.quantization"
 
 
 def declares_fp8_kv(quant: Any) -> bool:
@@ -273,7 +279,7 @@ def _check_excluded(patterns: Any, field: str, num_layers: int) -> None:
         raise ParamError("model", f"{field} must be a list of module names or patterns")
     for pattern in patterns:
         for layer in range(num_layers):
-            for projection in _PROJECTION_NAMES:
+            for projection in DECODER_PROJECTIONS:
                 name = f"model.layers.{layer}.{projection}"
                 if pattern in name or fnmatchcase(name, pattern):
                     raise ParamError(

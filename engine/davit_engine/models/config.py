@@ -12,6 +12,12 @@ Architecture = Literal["llama", "qwen2", "qwen3"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
 
+# A decoder layer's projections by checkpoint name under `model.layers.<i>.`.
+DECODER_PROJECTIONS: tuple[str, ...] = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down")
+)
+
+
 @dataclass(frozen=True)
 class WeightBlocks:
     """How an FP8 checkpoint with block-wise scales stores them: one scale per `rows` x `cols`

@@ -44,6 +44,7 @@ from davit_engine.kernels.fp8_linear import (
 from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 from davit_engine.layers.parallel import VocabParallelLMHead
+from davit_engine.models.config import DECODER_PROJECTIONS
 
 
 class Fp8Linear(nn.Module):
@@ -90,20 +91,20 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         """Quantize `linear`'s weight per output channel (its bias is kept as is)."""
-        weight = linear.weight.detach()
-        module = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            weight.dtype,
-            weight.device,
-        )
+        return cls.from_weight(linear.weight, linear.bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
+        """`weight` [N, K] quantized per output channel, with `bias` [N] kept as is."""
+        weight = weight.detach()
+        out_features, in_features = weight.shape
+        module = cls(in_features, out_features, bias is not None, weight.dtype, weight.device)
         with torch.no_grad():
             codes, scale = quantize_channels(weight)
             module.weight.copy_(codes)
             module.weight_scale.copy_(scale)
-            if linear.bias is not None and module.bias is not None:
-                module.bias.copy_(linear.bias.detach())
+            if bias is not None and module.bias is not None:
+                module.bias.copy_(bias.detach())
         return module
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -222,10 +223,7 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 # Checkpoint names of the decoder projections' weights (what `quantize_weight_stream` converts).
-PROJECTION_WEIGHT_SUFFIXES: tuple[str, ...] = tuple(
-    f".{name}.weight"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-)
+PROJECTION_WEIGHT_SUFFIXES: tuple[str, ...] = tuple(f".{p}.weight" for p in DECODER_PROJECTIONS)
 
 
 def quantize_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,12 +272,7 @@ def quantize_lm_head(model: nn.Module) -> None:
     if isinstance(head, VocabParallelLMHead):  # a tensor-parallel rank's rows (one scale each)
         weight = head.weight
         assert weight is not None
-        rows = Fp8Linear(weight.shape[1], weight.shape[0], False, weight.dtype, weight.device)
-        with torch.no_grad():
-            codes, scale = quantize_channels(weight.detach())
-            rows.weight.copy_(codes)
-            rows.weight_scale.copy_(scale)
-        head.projection = _with_input_policy("lm_head", rows)
+        head.projection = _with_input_policy("lm_head", Fp8Linear.from_weight(weight))
         embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
         if weight is not getattr(embedding, "weight", None):
             head.weight = None
