@@ -380,6 +380,75 @@ def test_rotary_equal_switches_real_shapes(
     )
 
 
+def _rotary_tokens_case(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    tokens_per_program: tuple[int, ...],
+) -> None:
+    """The rotary kernel writing an FP8 cache with one token a program against several
+    (`ROTARY_TOKENS_PER_PROGRAM`; 0: chosen per launch): the same rotated queries and cache
+    bytes, with both part layouts (`ROTARY_SPLIT_QK`); the padding slot stays unwritten."""
+    torch.manual_seed(14)
+    _, _, kv_heads, dim = shape
+    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
+    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous()
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
+        q_out, _ = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+        )  # fmt: skip
+        return q_out, cache.view(torch.uint8)
+
+    for split in (True, False):
+        monkeypatch.setattr(layer_ops, "ROTARY_SPLIT_QK", split)
+        monkeypatch.setattr(layer_ops, "ROTARY_TOKENS_PER_PROGRAM", 1)
+        q_one, cache_one = run()
+        assert bool((q_one != 0).all(dim=-1).any()) and int((cache_one != 0).sum()) > 0
+        for tokens in tokens_per_program:
+            monkeypatch.setattr(layer_ops, "ROTARY_TOKENS_PER_PROGRAM", tokens)
+            q_many, cache_many = run()
+            assert torch.equal(q_many, q_one), (split, tokens)
+            assert torch.equal(cache_many, cache_one), (split, tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_tokens_per_program_change_nothing(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Five tokens (one of them padding) at 2, 4 (a partial last group), 8 (one group, most of
+    it past the end) and the per-launch choice (4 at the interpreter's 4 multiprocessors)."""
+    _rotary_tokens_case(device, monkeypatch, dtype, (5, 4, 2, 16), (2, 4, 8, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [256, 8192])
+def test_rotary_tokens_per_program_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int
+) -> None:
+    """The same at W1's decode step and prefill chunk (Qwen3-0.6B heads, bf16): the products
+    keep their shapes, so the numbers are equal on the GPU too."""
+    _rotary_tokens_case(device, monkeypatch, torch.bfloat16, (tokens, 16, 8, 128), (2, 4, 16, 0))
+
+
+def test_rotary_tokens_per_program_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-launch choice keeps at least one program per multiprocessor: W1's decode step
+    (256 tokens, two parts) on 132 multiprocessors takes 2 tokens a program (256 programs; 4
+    would give 128), its 8,192-token prefill chunk the cap of 16, one token stays 1; a fixed
+    setting is taken as it is."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(layer_ops, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKENS_PER_PROGRAM", 0)
+    choose = layer_ops.rotary_tokens_per_program
+    assert [choose(n, 2, cpu) for n in (1, 130, 131, 264, 256, 8192)] == [1, 1, 2, 4, 2, 16]
+    assert choose(256, 1, cpu) == 1 and choose(528, 1, cpu) == 4
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKENS_PER_PROGRAM", 8)
+    assert choose(1, 2, cpu) == 8
+
+
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
     device: torch.device,
 ) -> None:
