@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.fp8 import hadamard_operand
 from davit_engine.kernels.kv_cache import head_tile_rows, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
@@ -48,17 +47,6 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
-# Tokens a program of the rotary kernel takes in turn where it rotates (an FP8 cache): 1, one
-# token a program; N > 1, N tokens a program; 0, chosen per launch (`rotary_tokens_per_program`:
-# the most, up to `ROTARY_MAX_TOKENS`, that still gives every multiprocessor a program). Each
-# program reads the 32 KB Hadamard tile once, for all its tokens: at one token a program a
-# prefill chunk of 8,192 tokens reads it 16,384 times (512 MB through L2; W1's profile on an
-# H100, bench notes run 30: 174 us a launch against 50 for a bf16 cache without the tile, and
-# 7.6 against 2.8 us at a decode step of 256 tokens). Each token's arithmetic is unchanged (the
-# same products of the same shapes), so the numbers are the same for every value. A switch so
-# that a benchmark can run the engine each way.
-ROTARY_TOKENS_PER_PROGRAM = 1
-ROTARY_MAX_TOKENS = 16
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 
@@ -313,7 +301,6 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     value_offset,
     num_q_heads,
     num_k_heads,
-    num_tokens,
     eps,
     HAS_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -328,27 +315,24 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     H_FROM_MEMORY: tl.constexpr,
     EARLY: tl.constexpr,
     SPLIT_QK: tl.constexpr,
-    TOKENS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
     # the other (= 1); else one program does both.
     # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
     # the wait for the kernel before (none of them is its output; pdl.py), so only q, k and v
-    # are loaded after it (with TOKENS > 1 only the tile: the rows and slots per token after).
-    # TOKENS: this program's tokens, taken in turn (ROTARY_TOKENS_PER_PROGRAM).
+    # are loaded after it.
     if not EARLY:
         gdc_enter(USE_GDC)
+    token = tl.program_id(0)
     dims = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
-    if TOKENS == 1:
-        token = tl.program_id(0)
-        row = token.to(tl.int64) * stride_rope
-        c1 = _round(tl.load(cos_ptr + row + dims).to(tl.float32), dtype)
-        c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
-        s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
-        s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
-        slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
+    row = token.to(tl.int64) * stride_rope
+    c1 = _round(tl.load(cos_ptr + row + dims).to(tl.float32), dtype)
+    c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
+    s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
+    s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
+    slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if EARLY:
@@ -358,43 +342,6 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     # choice written as `part != 1` / `part != 0` tests compiles to 250.
     first = tl.program_id(1) if SPLIT_QK else 0
     last = first + 1 if SPLIT_QK else 2
-    if TOKENS == 1:
-        _rope_token(
-            q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, q_weight_ptr, k_weight_ptr,
-            scale_ptr, token, slot, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-            stride_vh, value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, h, first,
-            last, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ, BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q,
-            DOT_PRECISION, dtype,
-        )  # fmt: skip
-    else:
-        for i in range(TOKENS):
-            token = tl.program_id(0) * TOKENS + i
-            if token < num_tokens:
-                row = token.to(tl.int64) * stride_rope
-                c1 = _round(tl.load(cos_ptr + row + dims).to(tl.float32), dtype)
-                c2 = _round(tl.load(cos_ptr + row + HALF + dims).to(tl.float32), dtype)
-                s1 = _round(tl.load(sin_ptr + row + dims).to(tl.float32), dtype)
-                s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
-                slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0
-                _rope_token(
-                    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, q_weight_ptr,
-                    k_weight_ptr, scale_ptr, token, slot, stride_qt, stride_qh, stride_kt,
-                    stride_kh, stride_vt, stride_vh, value_offset, num_q_heads, num_k_heads,
-                    eps, c1, c2, s1, s2, h, first, last, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ,
-                    BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q, DOT_PRECISION, dtype,
-                )  # fmt: skip
-
-
-@triton.jit
-def _rope_token(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, q_weight_ptr, k_weight_ptr,
-    scale_ptr, token, slot, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, h, first, last,
-    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
-    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
-):  # fmt: skip
-    """One token's parts [first, last) of (queries, keys and values)."""
     if first == 0:
         _rope_queries(
             q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
@@ -468,19 +415,6 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
         _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
 
 
-def rotary_tokens_per_program(num_tokens: int, parts: int, device: torch.device) -> int:
-    """Tokens a program of a rotating launch takes (`ROTARY_TOKENS_PER_PROGRAM`; 0: the
-    largest power of two up to `ROTARY_MAX_TOKENS` that still launches at least one program
-    per multiprocessor, counting `parts` programs a group of tokens)."""
-    if ROTARY_TOKENS_PER_PROGRAM:
-        return ROTARY_TOKENS_PER_PROGRAM
-    wanted = multiprocessors(device)
-    tokens = 1
-    while tokens < ROTARY_MAX_TOKENS and triton.cdiv(num_tokens, 2 * tokens) * parts >= wanted:
-        tokens *= 2
-    return tokens
-
-
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     k: torch.Tensor,  # [T, Hkv, D], last dim contiguous
@@ -537,9 +471,7 @@ def qk_norm_rope(
     h_matrix = None
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
-    parts = 2 if ROTARY_SPLIT_QK else 1
-    tokens = rotary_tokens_per_program(num_tokens, parts, q.device) if rotates else 1
-    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, tokens), parts)](
+    _qk_norm_rope_kernel[(num_tokens, 2 if ROTARY_SPLIT_QK else 1)](
         q,
         k,
         v if v is not None else k,
@@ -563,7 +495,6 @@ def qk_norm_rope(
         kv_cache[0].numel() if kv_cache is not None else 0,
         num_q_heads,
         k.shape[1],
-        num_tokens,
         eps,
         HAS_NORM=has_norm,
         WRITE_KV=write_kv,
@@ -578,7 +509,6 @@ def qk_norm_rope(
         H_FROM_MEMORY=h_matrix is not None,
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
         SPLIT_QK=ROTARY_SPLIT_QK,
-        TOKENS=tokens,
         num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
