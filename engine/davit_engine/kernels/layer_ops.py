@@ -47,15 +47,6 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
-# A cap on the rotary kernel's registers where it rotates (None: the compiler's choice). At 8
-# warps the rotating kernel takes 138 registers a thread (sm_90, Qwen3-0.6B heads, compiled
-# here with Triton 3.9), so one program fits a multiprocessor, and the launch's time is its
-# programs' chain of loads, products and stores over waves of 132 (W1's profile on an H100,
-# bench notes run 30: 174 us for a prefill chunk of 8,192 tokens against 50 with a bf16
-# cache, where the kernel takes 40 registers; 7.6 against 2.8 us at a decode step of 256
-# tokens). At 128, 16 bytes spill and two programs fit. The same numbers either way. A switch
-# so that a benchmark can run the engine each way.
-ROTARY_FP8_MAX_REGISTERS: int | None = None
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 
@@ -480,7 +471,6 @@ def qk_norm_rope(
     h_matrix = None
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
-    limits = {"maxnreg": ROTARY_FP8_MAX_REGISTERS} if rotates and ROTARY_FP8_MAX_REGISTERS else {}
     _qk_norm_rope_kernel[(num_tokens, 2 if ROTARY_SPLIT_QK else 1)](
         q,
         k,
@@ -521,7 +511,6 @@ def qk_norm_rope(
         SPLIT_QK=ROTARY_SPLIT_QK,
         num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
-        **limits,
         **pdl_launch(q.device),
     )
     return q_out, k_out

@@ -380,53 +380,6 @@ def test_rotary_equal_switches_real_shapes(
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_register_cap_changes_nothing(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
-) -> None:
-    """A cap on the rotating kernel's registers (`ROTARY_FP8_MAX_REGISTERS`) gives the same
-    rotated queries and FP8 cache bytes as the compiler's own choice."""
-    _rotary_cap_case(device, monkeypatch, dtype, (5, 4, 2, 16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 256, 8192])
-def test_rotary_register_cap_real_shapes(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int
-) -> None:
-    """The same at W2's one token (Llama-3.1-8B heads), W1's decode step and prefill chunk
-    (Qwen3-0.6B heads), bf16: spilled registers change no arithmetic."""
-    heads = (32, 8) if tokens == 1 else (16, 8)
-    _rotary_cap_case(device, monkeypatch, torch.bfloat16, (tokens, *heads, 128))
-
-
-def _rotary_cap_case(
-    device: torch.device,
-    monkeypatch: pytest.MonkeyPatch,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int, int],
-) -> None:
-    torch.manual_seed(15)
-    _, _, kv_heads, dim = shape
-    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
-    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous()
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(torch.float8_e4m3fn)
-        q_out, _ = qk_norm_rope(
-            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
-            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
-        )  # fmt: skip
-        return q_out, cache.view(torch.uint8)
-
-    monkeypatch.setattr(layer_ops, "ROTARY_FP8_MAX_REGISTERS", None)
-    q_free, cache_free = run()
-    monkeypatch.setattr(layer_ops, "ROTARY_FP8_MAX_REGISTERS", 128)
-    q_capped, cache_capped = run()
-    assert int((cache_free != 0).sum()) > 0
-    assert torch.equal(q_capped, q_free) and torch.equal(cache_capped, cache_free)
-
-
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
     device: torch.device,
 ) -> None:

@@ -29,7 +29,7 @@ Sections (each runs on its own; a failing one is reported and the next runs):
 - `w1`: W1 the same way, bf16 then an FP8 KV cache (`--w1-variants`: also split targets
   `*-splits-528` / `*-splits-1056` / `*-splits-2112`, `*-split-past-wave`, balanced splits
   `*-balanced`, and the FP8 rotary kernel's launch `fp8-kv-rotary-{4w,reg,4w-reg}` (`4w-reg`:
-  the launch before run 24), `fp8-kv-rotary-cap128` (its registers capped)); with `--rounds N` both W1 and W2 run
+  the launch before run 24)); with `--rounds N` both W1 and W2 run
   their variants N times, interleaved, and record each variant's median, minimum, maximum and
   median over the first variant's (`w1-rounds`, `w2-rounds`); a variant may join several with
   "+" (`fp8-both-stream4-preload+fp8-both-lm-head`: their switches together);
@@ -781,18 +781,6 @@ VARIANTS = {
             (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", False),),
         )
         for base, quantization, kv in _BASES
-    },
-    # the FP8 cache's rotary kernel capped at 128 registers (two programs a multiprocessor at
-    # its 8 warps; layer_ops.ROTARY_FP8_MAX_REGISTERS, uncapped by default)
-    **{
-        f"{base}-rotary-cap128": Variant(
-            f"{base}-rotary-cap128",
-            quantization,
-            kv,
-            (("davit_engine.kernels.layer_ops", "ROTARY_FP8_MAX_REGISTERS", 128),),
-        )
-        for base, quantization, kv in _BASES
-        if kv == "fp8"
     },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
