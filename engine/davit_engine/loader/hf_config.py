@@ -91,6 +91,11 @@ def model_config_from_hf(
     return config
 
 
+# `activation_scheme` values of `quant_method: fp8` (the values vLLM 0.33.0's Fp8Config takes,
+# read in its wheel). Missing means dynamic here; vLLM requires the key.
+FP8_ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
 def checkpoint_quantization(
     quant: Any, field: str, num_layers: int = 0
 ) -> tuple[str | None, WeightBlocks | None]:
@@ -112,6 +117,15 @@ def checkpoint_quantization(
     if method == "fp8":
         if quant.get("fmt", "e4m3") != "e4m3":
             raise ParamError("model", f"{field}.fmt {quant['fmt']!r}: only e4m3 is supported")
+        scheme = quant.get("activation_scheme", "dynamic")
+        if scheme not in FP8_ACTIVATION_SCHEMES:
+            # vLLM 0.33.0 refuses the same (quantization/fp8.py, ACTIVATION_SCHEMES)
+            raise ParamError(
+                "model",
+                f"{field}.activation_scheme {scheme!r} is not supported; supported: "
+                f"{', '.join(FP8_ACTIVATION_SCHEMES)} (activations are quantized per token "
+                "either way: static input scales are read and not used)",
+            )
         _check_ignored(quant.get("ignored_layers") or quant.get("modules_to_not_convert"), field)
         return "fp8", _fp8_weight_blocks(quant, field)
     if method == "fbgemm_fp8":

@@ -209,7 +209,15 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some tied checkpoints also store the head; the embedding wins
             target, rows = self._target(name)
             if target not in params:
-                raise ParamError("model", f"{source}: unexpected tensor {name!r} for this model")
+                hint = (
+                    " (an FP8 checkpoint's scale, but its config declares no FP8 "
+                    "quantization_config)"
+                    if name.endswith((SCALE_SUFFIX, INVERSE_SCALE_SUFFIX))
+                    else ""
+                )
+                raise ParamError(
+                    "model", f"{source}: unexpected tensor {name!r} for this model{hint}"
+                )
             param = params[target]
             dest = param.data if rows is None else param.data[rows[0] : rows[1]]
             _copy_checkpoint_tensor(dest, tensor, name, source)
@@ -242,6 +250,7 @@ def _copy_checkpoint_tensor(
 ) -> None:
     """`dest.copy_(tensor)` with the checks (and the scale broadcast) of `load_weights`."""
     if name.endswith(SCALE_SUFFIX) and tensor.numel() in (1, dest.numel()):
+        _check_weight_scale(tensor, name, source)
         tensor = tensor.reshape(()) if tensor.numel() == 1 else tensor.reshape(dest.shape)
         dest.copy_(tensor.float().expand(dest.shape))
         return
@@ -258,7 +267,46 @@ def _copy_checkpoint_tensor(
             f"{source}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')} but the "
             "checkpoint is quantized (fp8): its projections must be float8_e4m3fn",
         )
+    if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point and dest.dtype != tensor.dtype:
+        # 8-bit float codes copied as values, without their scale: a wrong model, silently
+        raise ParamError(
+            "model",
+            f"{source}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')} where the "
+            f"model holds {str(dest.dtype).removeprefix('torch.')}: FP8 weights load only as "
+            "the decoder projections of a checkpoint whose config declares an FP8 "
+            "quantization_config (docs/fp8.md)",
+        )
     dest.copy_(tensor)
+    if dest.dtype == torch.float8_e4m3fn:
+        # e4m3fn has no infinities; its NaN codes (0x7F, 0xFF) would make every output of the
+        # projection NaN. Checked where the copy landed (on a GPU, one pass at its bandwidth).
+        nan_codes = int(((dest.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        if nan_codes:
+            raise ParamError(
+                "model",
+                f"{source}: tensor {name!r} holds {nan_codes} NaN codes (e4m3 0x7F / 0xFF); "
+                "the checkpoint is damaged",
+            )
+
+
+def _check_weight_scale(tensor: torch.Tensor, name: str, source: str) -> None:
+    """A checkpoint's per-tensor or per-channel weight scale: a float tensor of finite,
+    non-negative values (a zero scale is an all-zero channel), else ParamError naming it."""
+    if not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 1:
+        raise ParamError(
+            "model",
+            f"{source}: weight scale {name!r} is {str(tensor.dtype).removeprefix('torch.')}; "
+            "expected a float tensor (float32, bfloat16 or float16)",
+        )
+    values = tensor.float()
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        first = float(values.flatten()[bad.flatten()][0])
+        raise ParamError(
+            "model",
+            f"{source}: weight scale {name!r} holds {int(bad.sum())} negative or non-finite "
+            f"values (e.g. {first}); scales must be finite and non-negative",
+        )
 
 
 def _checkpoint_names(param_name: str) -> list[str]:

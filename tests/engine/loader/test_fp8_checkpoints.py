@@ -153,6 +153,107 @@ def test_unquantized_projection_in_an_fp8_checkpoint_is_refused(
         load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU)
 
 
+def _nan_code_weight(t: dict[str, torch.Tensor]) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes = t[name].view(torch.uint8).clone()
+    codes[3, 5] = 0xFF  # e4m3fn's negative NaN
+    t[name] = codes.view(torch.float8_e4m3fn)
+
+
+def _set(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    return lambda t: t.__setitem__(name, value(t[name]))
+
+
+DOWN_SCALE = "model.layers.0.mlp.down_proj.weight_scale"
+Q_SCALE = "model.layers.0.self_attn.q_proj.weight_scale"
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (_set(DOWN_SCALE, lambda s: torch.full_like(s, float("nan"))), "down_proj.weight_scale' holds 64 negative or non-finite values \\(e.g. nan\\)"),
+        (_set(Q_SCALE, lambda s: torch.tensor(float("inf"))), "q_proj.weight_scale' holds 1 negative or non-finite"),
+        (_set(DOWN_SCALE, lambda s: -s), "down_proj.weight_scale' holds 64 negative"),
+        (_set(DOWN_SCALE, lambda s: torch.ones_like(s, dtype=torch.int32)), "down_proj.weight_scale' is int32; expected a float tensor"),
+        (_set(DOWN_SCALE, lambda s: s.to(torch.float8_e4m3fn)), "down_proj.weight_scale' is float8_e4m3fn; expected a float tensor"),
+        (_nan_code_weight, "down_proj.weight' holds 1 NaN codes"),
+    ],
+    ids=["nan-scale", "inf-scale", "negative-scale", "int-scale", "fp8-scale", "nan-code"],
+)  # fmt: skip
+def test_damaged_fp8_tensors_are_refused_by_name(
+    qwen3_tiny_dir: Path, tmp_path: Path, damage: Callable[[dict], None], match: str
+) -> None:
+    """Scales that are not finite non-negative floats and e4m3 NaN codes in a weight would make
+    a projection's outputs NaN or flip them: the load names the tensor instead."""
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    damage(tensors)
+    save_file(tensors, str(path))
+    with pytest.raises(ParamError, match=match) as err:
+        load_model(EngineConfig(model=str(tmp_path / "fp8"), dtype="float32"), CPU)
+    assert str(tmp_path / "fp8") in err.value.message
+
+
+def test_fp8_tensors_without_an_fp8_config_are_refused(
+    qwen3_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """FP8 codes whose config declares no FP8 quantization_config would be read as values
+    without their scales: refused, naming the tensor (whichever comes first, a weight or a
+    scale)."""
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    config_path = tmp_path / "fp8" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["quantization_config"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(
+        ParamError,
+        match="(is float8_e4m3fn where the model holds float32"
+        "|weight_scale' for this model \\(an FP8 checkpoint's scale)",
+    ):
+        load_model(EngineConfig(model=str(tmp_path / "fp8"), dtype="float32"), CPU)
+    # an FP8 LM head in a bf16/fp32 checkpoint: the codes never become the head's values
+    plain = tmp_path / "plain"
+    shutil.copytree(qwen3_tiny_dir, plain)
+    tensors = load_file(str(plain / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    tensors[head] = tensors[head].to(torch.float8_e4m3fn)
+    save_file(tensors, str(plain / "model.safetensors"))
+    with pytest.raises(ParamError, match=f"'{head}' is float8_e4m3fn where the model holds"):
+        load_model(EngineConfig(model=str(plain), dtype="float32"), CPU)
+
+
+def test_zero_and_half_precision_scales_load(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
+    """A zero per-tensor scale (an all-zero projection) and bf16 per-channel scales are valid:
+    the zero scale gives zero rows, the bf16 ones their float32 values."""
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "fp8")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[Q_SCALE] = torch.zeros(())
+    tensors[DOWN_SCALE] = tensors[DOWN_SCALE].bfloat16()
+    save_file(tensors, str(path))
+    loaded = load_model(EngineConfig(model=str(tmp_path / "fp8"), dtype="float32"), CPU)
+    layer = cast(LlamaDecoderLayer, loaded.model.model.layers[0])
+    q_rows = layer.self_attn.qkv_proj.dequantized_weight(torch.float32)[: loaded.config.q_size]
+    assert bool((q_rows == 0).all())
+    down = layer.mlp.down_proj
+    assert isinstance(down, Fp8Linear)
+    assert torch.equal(down.weight_scale, tensors[DOWN_SCALE].float().flatten())
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_fp8_activation_schemes(qwen3_tiny_dir: Path, tmp_path: Path, scheme: str) -> None:
+    """Both of vLLM's activation schemes load (static input scales read and not used); any
+    other value is refused by field."""
+    _fp8_checkpoint(qwen3_tiny_dir, tmp_path / "ok", {**FP8_CONFIG, "activation_scheme": scheme})
+    assert load_model(EngineConfig(model=str(tmp_path / "ok")), CPU).quantization == "fp8"
+    _fp8_checkpoint(
+        qwen3_tiny_dir, tmp_path / "bad", {**FP8_CONFIG, "activation_scheme": scheme + "ish"}
+    )
+    with pytest.raises(ParamError, match=f"activation_scheme '{scheme}ish' is not supported"):
+        load_model(EngineConfig(model=str(tmp_path / "bad")), CPU)
+
+
 def _hf_weights(directory: Path) -> list[tuple[str, torch.Tensor]]:
     return list(load_file(str(directory / "model.safetensors")).items())
 
