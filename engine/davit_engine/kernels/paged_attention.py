@@ -451,6 +451,11 @@ _PIPELINED_MAX_SPLITS = 8
 # with a Hadamard tile 151 us (bench notes, run 22); capped, this kernel took 129.3 us against
 # 143.6 uncapped and 152.2 with the tile (run 23).
 _FP8_DECODE_MAX_REGISTERS: int | None = 128
+# Warps and pipeline stages of that launch (run 22's sweep at W1's shape, before the queries
+# were rotated beforehand and the registers capped). Module constants so that a benchmark can
+# time other tiles (bench section `decode-tiles`).
+_FP8_DECODE_NUM_WARPS = 2
+_FP8_DECODE_STAGES = 2
 MAX_SPLITS = 16
 # Warps per program of a decode split in many short ranges (W2's: one request, 16 splits of 72
 # keys). Compiled for sm_90 by Triton 3.6 at W2's shape over an FP8 cache (64-key tiles, queries
@@ -658,7 +663,8 @@ def paged_attention(
         block_n, num_stages = (_FP8_SPLIT_DECODE_BLOCK_N if fp8 else _SPLIT_DECODE_BLOCK_N), 1
         num_warps = SHORT_SPLIT_NUM_WARPS
     elif is_decode and fp8 and q.device.type == "cuda":
-        block_n, num_stages, num_warps = _FP8_DECODE_BLOCK_N, 2, 2
+        block_n, num_stages = _FP8_DECODE_BLOCK_N, _FP8_DECODE_STAGES
+        num_warps = _FP8_DECODE_NUM_WARPS
         if queries_rotated and _FP8_DECODE_MAX_REGISTERS is not None:
             limits["maxnreg"] = _FP8_DECODE_MAX_REGISTERS
     elif is_decode:

@@ -35,6 +35,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   "+" (`fp8-both-stream4-preload+fp8-both-lm-head`: their switches together);
 - `w1-prefill`: W1's prompts alone (one output token each), per `--w1-variants` (and
   `--rounds`): the prefill part of W1, prompt tokens per second;
+- `decode-tiles`: the FP8 cache's decode launch at W1's shape and four W1 steps in each tile of
+  `--tile-configs` (W1 variants `fp8-kv-tile-{block}x{warps}x{stages}[-nocap]` run one);
 - `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
   FP8, split as the engine does, FP8 at twice the engine's waves, balanced, and at the mean
   context;
@@ -525,6 +527,76 @@ def section_attention(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+# FP8 decode tiles the `decode-tiles` section times: key tile / warps / pipeline stages /
+# register cap (0: none). The first is the engine's launch.
+DECODE_TILE_CONFIGS = (
+    "64/2/2/128;64/2/3/128;64/2/1/128;64/4/2/128;64/4/3/128;128/2/2/128;128/4/2/128;"
+    "128/4/3/128;32/2/2/128;32/2/3/128;64/2/2/0;128/8/2/128"
+)
+
+
+def _tile_switches(spec: str) -> tuple[tuple[str, str, object], ...]:
+    """`paged_attention` switches for an FP8 decode tile given as `block/warps/stages/cap`."""
+    block, warps, stages, cap = (int(v) for v in spec.split("/"))
+    module = "davit_engine.kernels.paged_attention"
+    return (
+        (module, "_FP8_DECODE_BLOCK_N", block),
+        (module, "_FP8_DECODE_NUM_WARPS", warps),
+        (module, "_FP8_DECODE_STAGES", stages),
+        (module, "_FP8_DECODE_MAX_REGISTERS", cap or None),
+    )
+
+
+def section_decode_tiles(args: argparse.Namespace) -> None:
+    """The FP8 cache's unsplit / few-split decode launch (queries rotated, the engine's
+    splits) at W1's uniform shape and at W1 steps with their real contexts, in each tile of
+    `--tile-configs` (a compile failure is recorded, not raised)."""
+    import importlib
+
+    from davit_engine.kernels import paged_attention as pa
+    from davit_tools.bench.timing import graph_us
+
+    dev = torch.device("cuda")
+    hq, hkv, dim = 16, 8, 128
+    cases = [("w1", [840] * 256)] + [
+        (f"step{step}", w1_decode_step(step)) for step in (50, 350, 650, 800)
+    ]
+    batches = {}
+    for label, contexts in cases:
+        q, _, fp8, kv_scale, tables, lens, qsl = _paged_batch(contexts, hq, hkv, "cuda", dim)
+        splits = pa.default_num_splits(len(contexts), hkv, 2048, dev, fp8=True)
+        kv_bytes = sum(contexts) * hkv * dim * 2
+        batches[label] = (q, fp8, kv_scale, tables, lens, qsl, splits, kv_bytes)
+    reference: dict[str, torch.Tensor] = {}
+    for spec in args.tile_configs.split(";"):
+        row: dict[str, Any] = {"tile": spec}
+        saved = [(attr, getattr(pa, attr)) for _, attr, _ in _tile_switches(spec)]
+        for module, attr, value in _tile_switches(spec):
+            setattr(importlib.import_module(module), attr, value)
+        try:
+            for label, (q, fp8, kv_scale, tables, lens, qsl, splits, kv_bytes) in batches.items():
+                launch = functools.partial(
+                    pa.paged_attention, q, fp8, tables, lens, qsl, 1, dim**-0.5, splits,
+                    kv_scale=kv_scale, queries_rotated=True,
+                )  # fmt: skip
+                try:  # a tile that does not compile (shared memory) is recorded as such
+                    us = graph_us(launch, 10)
+                except Exception as error:
+                    row[f"{label}_error"] = f"{type(error).__name__}: {str(error)[:160]}"
+                    break
+                out = launch().float()
+                if label not in reference:  # the first tile's output: the others' reference
+                    reference[label] = out
+                row[f"{label}_max_diff"] = float((out - reference[label]).abs().max())
+                row[f"{label}_us"] = round(us, 2)
+                row[f"{label}_tb_s"] = round(kv_bytes / us / 1e6, 3)
+                row[f"{label}_splits"] = splits
+        finally:
+            for attr, value in saved:
+                setattr(pa, attr, value)
+        record("decode-tiles", **row)
+
+
 # W1 decode steps the trajectory section times (steps after the prompts: requests whose
 # output is longer are still running, each at its prompt plus the step's keys)
 W1_TRAJECTORY_STEPS = (50, 200, 350, 500, 650, 800, 950)
@@ -781,6 +853,23 @@ VARIANTS = {
             (("davit_engine.kernels.layer_ops", "ROTARY_SPLIT_QK", False),),
         )
         for base, quantization, kv in _BASES
+    },
+    # the FP8 cache's decode in another tile (`fp8-kv-tile-64x4x3`: 64-key tiles, 4 warps, 3
+    # stages, registers capped at 128; `-nocap`: uncapped), as the `decode-tiles` section
+    # times them
+    **{
+        f"{base}-tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}": Variant(
+            f"{base}-tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}",
+            quantization,
+            kv,
+            _tile_switches(f"{block}/{warps}/{stages}/{cap}"),
+        )
+        for base, quantization, kv in _BASES
+        if kv == "fp8"
+        for block in (32, 64, 128)
+        for warps in (2, 4, 8)
+        for stages in (1, 2, 3)
+        for cap in (128, 0)
     },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
@@ -1173,6 +1262,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1-prefill": section_w1_prefill,
     "w1-profile": section_w1_profile,
     "w1-trajectory": section_w1_trajectory,
+    "decode-tiles": section_decode_tiles,
     "w2-profile": section_w2_profile,
     "mlp-block": section_mlp_block,
     "memory": section_memory,
@@ -1224,6 +1314,9 @@ def main(argv: list[str] | None = None) -> int:
                         "each one's median, minimum and maximum")  # fmt: skip
     parser.add_argument("--gemm-configs", default="32/512/4/4",
                         help="extra matrix-unit tiles: BLOCK_N/BLOCK_K/WARPS/STAGES;...")  # fmt: skip
+    parser.add_argument("--tile-configs", default=DECODE_TILE_CONFIGS,
+                        help="decode-tiles: FP8 decode tiles BLOCK_N/WARPS/STAGES/REGISTER_CAP;... "
+                             "(cap 0: none; the first is the engine's)")  # fmt: skip
     parser.add_argument("--gemv-configs",
                         default="8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;16/1024/8/0;"
                                 "8/512/4/1",
