@@ -66,8 +66,9 @@ def _case(  # type: ignore[no-untyped-def]
     ref = x_deq @ w_deq.t()
     row: dict[str, object] = {"m": m, "n": n, "k": k}
     for label, sa, sb in (
-        ("scales_row_major", x_scale.contiguous(), w_scale.contiguous()),
-        ("scales_outer_major", x_scale.t().contiguous().t(), w_scale.t().contiguous().t()),
+        # torch 2.11 wants scale_a [M, K/128] with M contiguous and scale_b [K/128, N/128]
+        ("scales_b_kn", x_scale.t().contiguous().t(), w_scale.t().contiguous()),
+        ("scales_b_kn_view", x_scale.t().contiguous().t(), w_scale.t()),
     ):
 
         def block(sa: torch.Tensor = sa, sb: torch.Tensor = sb) -> torch.Tensor:
