@@ -81,29 +81,3 @@ def to_f16_saturated(x):  # type: ignore[no-untyped-def]
     """Activations or queries to fp16 for a product with e4m3 values widened to fp16, clamped to
     fp16's range (bf16 reaches further; a value beyond +-65504 would become infinite)."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-
-
-@triton.jit
-def hadamard_halves(x1, x2, HALF: tl.constexpr, A: tl.constexpr, B: tl.constexpr):  # type: ignore[no-untyped-def]
-    """`x @ H` for one head given as its halves (float32 `[1, HALF]` each), H the
-    Sylvester-Hadamard matrix of `2 * HALF` (unnormalised), without the matrix units: H is
-    `H_2 (x) H_A (x) H_B` with `HALF = A * B`, so each half is an `[A, B]` matrix multiplied by
-    `H_B` on the right, the halves' sum and difference then by `H_A` on the left: two
-    broadcast products of a few elements a thread, in float32. Returns the halves of `x @ H`.
-    The sums run in another order than a matrix-unit product's, so a result may differ from
-    `tl.dot(x, H)` in float32's last place (none where the sums are exact, as they are for
-    model-dtype inputs of one head in practice)."""
-    hb = hadamard_tile(B, tl.float32)
-    ha = hadamard_tile(A, tl.float32)
-    y1 = tl.sum(tl.reshape(x1, [A, B])[:, :, None] * hb[None, :, :], 1)
-    y2 = tl.sum(tl.reshape(x2, [A, B])[:, :, None] * hb[None, :, :], 1)
-    z1 = tl.sum(ha[:, :, None] * (y1 + y2)[None, :, :], 1)
-    z2 = tl.sum(ha[:, :, None] * (y1 - y2)[None, :, :], 1)
-    return tl.reshape(z1, [1, HALF]), tl.reshape(z2, [1, HALF])
-
-
-def hadamard_factors(half: int) -> tuple[int, int]:
-    """`(A, B)` for `hadamard_halves` at a half head of `half` (a power of two, at least 4)."""
-    assert half >= 4 and half & (half - 1) == 0, half
-    b = 1 << ((half.bit_length() - 1 + 1) // 2)
-    return half // b, b

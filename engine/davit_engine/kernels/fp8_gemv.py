@@ -41,12 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import capability, interpreted, multiprocessors, zeroed_counters
-from davit_engine.kernels.fp8 import hadamard_factors, hadamard_halves
-from davit_engine.kernels.kv_cache import key_offsets, to_cache_e4m3, value_offsets
-from davit_engine.kernels.layer_ops import norm_rope_halves, silu_times
+from davit_engine.kernels import capability, interpreted, multiprocessors
+from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
-from davit_engine.layers.fp8 import FP8_DTYPE, is_fp8, rotates_keys
+from davit_engine.layers.fp8 import FP8_DTYPE
 
 try:  # host-side tensor descriptors (Triton 3.3+); without them W is never streamed
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -171,17 +169,6 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     squares_ptr,  # ADD_NORM: out, one sum of squares per program; NORMED: in, num_squares
     num_squares,
     eps,
-    head_counts_ptr,  # ROPE: the heads' finish (`_finish_head`; `fp8_gemv_rope`)
-    q_out_ptr,
-    cache_ptr,
-    slot_ptr,
-    kv_scale_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    qk_eps,
-    value_offset,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -194,17 +181,6 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     ADD_NORM: tl.constexpr = False,
     NORMED: tl.constexpr = False,
     SQUARES_PAD: tl.constexpr = 1,
-    ROPE: tl.constexpr = False,
-    NUM_Q_HEADS: tl.constexpr = 1,
-    NUM_KV_HEADS: tl.constexpr = 1,
-    HALF: tl.constexpr = 1,
-    PAGE: tl.constexpr = 1,
-    QK_NORM: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    ROTATE_K: tl.constexpr = False,
-    ROTATE_Q: tl.constexpr = False,
-    HADAMARD_A: tl.constexpr = 1,
-    HADAMARD_B: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -277,13 +253,6 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     else:
         _store_rows(total, rows, cols, w_row, pid_n, split, num_rows, N, scale_ptr, bias_ptr,
                     out_ptr, part_ptr, stride_om, HAS_BIAS, ROWS, BLOCK_N, SPLIT_K, GATED)  # fmt: skip
-        if ROPE:  # one row, one split, not gated (fp8_gemv_rope)
-            _finish_head(
-                out_ptr, pid_n, head_counts_ptr, q_out_ptr, cache_ptr, slot_ptr, kv_scale_ptr,
-                cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, qk_eps, value_offset, BLOCK_N,
-                NUM_Q_HEADS, NUM_KV_HEADS, HALF, PAGE, QK_NORM, KV_FP8, ROTATE_K, ROTATE_Q,
-                HADAMARD_A, HADAMARD_B,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -305,79 +274,6 @@ def _store_add_norm(  # type: ignore[no-untyped-def]
     norm_w = tl.load(norm_w_ptr + dst, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + dst, (s32 * norm_w).to(dtype), mask=valid)
     tl.store(squares_ptr + pid_n, tl.sum(tl.sum(s32 * s32, 1), 0))
-
-
-@triton.jit
-def _finish_head(  # type: ignore[no-untyped-def]
-    qkv_ptr, pid_n, head_counts_ptr, q_out_ptr, cache_ptr, slot_ptr, kv_scale_ptr, cos_ptr,
-    sin_ptr, q_norm_ptr, k_norm_ptr, qk_eps, value_offset, BLOCK_N: tl.constexpr,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    PAGE: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr, ROTATE_K: tl.constexpr,
-    ROTATE_Q: tl.constexpr, HADAMARD_A: tl.constexpr, HADAMARD_B: tl.constexpr,
-):  # fmt: skip
-    """After a q/k/v program stored its outputs: the last of a head's programs to arrive (a
-    count per head, release/acquire at GPU scope) reads the whole head back and finishes it as
-    the rotary kernel would (`layer_ops.qk_norm_rope` with the cache written): a query head
-    normed (QK_NORM), rotated (and times H with ROTATE_Q) into `q_out`; a key head normed,
-    rotated, (times H and) quantized into the cache at the token's slot; a value head
-    quantized into it. The count goes back to zero for the next launch."""
-    PROGRAMS: tl.constexpr = 2 * HALF // BLOCK_N  # a head's programs
-    head = pid_n // PROGRAMS
-    tl.debug_barrier()  # every thread's stores precede the release
-    arrived = tl.atomic_add(head_counts_ptr + head, 1, sem="acq_rel", scope="gpu")
-    if arrived == PROGRAMS - 1:
-        tl.atomic_xchg(head_counts_ptr + head, 0, sem="relaxed", scope="gpu")
-        dtype = qkv_ptr.dtype.element_ty
-        dims = tl.arange(0, HALF)[None, :]
-        # the other programs' outputs, through L2 (this multiprocessor's L1 may hold stale
-        # lines of these addresses)
-        src = qkv_ptr + head * (2 * HALF) + dims
-        x1 = tl.load(src, cache_modifier=".cg").to(tl.float32)
-        x2 = tl.load(src + HALF, cache_modifier=".cg").to(tl.float32)
-        slot = tl.load(slot_ptr).to(tl.int64)  # negative: a padding token, nothing stored
-        cache_ty = cache_ptr.dtype.element_ty
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            c1 = tl.load(cos_ptr + dims).to(dtype).to(tl.float32)
-            c2 = tl.load(cos_ptr + HALF + dims).to(dtype).to(tl.float32)
-            s1 = tl.load(sin_ptr + dims).to(dtype).to(tl.float32)
-            s2 = tl.load(sin_ptr + HALF + dims).to(dtype).to(tl.float32)
-            if head < NUM_Q_HEADS:
-                o1, o2 = norm_rope_halves(
-                    x1, x2, q_norm_ptr, qk_eps, c1, c2, s1, s2, QK_NORM, HALF, dtype
-                )
-                if ROTATE_Q:  # q @ H rounded to the model dtype, as the rotary kernel's
-                    o1, o2 = hadamard_halves(o1, o2, HALF, HADAMARD_A, HADAMARD_B)
-                dst = q_out_ptr + head * (2 * HALF) + dims
-                tl.store(dst, o1.to(dtype))
-                tl.store(dst + HALF, o2.to(dtype))
-            elif slot >= 0:
-                kv_head = head - NUM_Q_HEADS
-                o1, o2 = norm_rope_halves(
-                    x1, x2, k_norm_ptr, qk_eps, c1, c2, s1, s2, QK_NORM, HALF, dtype
-                )
-                if KV_FP8:  # as kv_cache.store_token_kv stores it
-                    if ROTATE_K:
-                        o1, o2 = hadamard_halves(o1, o2, HALF, HADAMARD_A, HADAMARD_B)
-                    k_scale = tl.load(kv_scale_ptr + kv_head)
-                    o1 = to_cache_e4m3(o1, k_scale)
-                    o2 = to_cache_e4m3(o2, k_scale)
-                dst = cache_ptr + key_offsets(slot, kv_head, dims, NUM_KV_HEADS, 2 * HALF)
-                tl.store(dst, o1.to(cache_ty))
-                tl.store(dst + HALF, o2.to(cache_ty))
-        elif slot >= 0:
-            kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-            if KV_FP8:
-                v_scale = tl.load(kv_scale_ptr + NUM_KV_HEADS + kv_head)
-                x1 = to_cache_e4m3(x1, v_scale)
-                x2 = to_cache_e4m3(x2, v_scale)
-            dst = cache_ptr + value_offsets(
-                slot, kv_head, dims, NUM_KV_HEADS, value_offset, PAGE, 2 * HALF, KV_FP8
-            )
-            tl.store(dst, x1.to(cache_ty))
-            dst = cache_ptr + value_offsets(
-                slot, kv_head, dims + HALF, NUM_KV_HEADS, value_offset, PAGE, 2 * HALF, KV_FP8
-            )
-            tl.store(dst, x2.to(cache_ty))
 
 
 @triton.jit
@@ -576,7 +472,7 @@ def fp8_gemv(
         _fp8_gemv_kernel[grid](
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
             num_rows, n, k, x.stride(0), out.stride(0), k_per_split,
-            out, weight_scale, weight_scale, 0, 0.0, *_no_rope(out),
+            out, weight_scale, weight_scale, 0, 0.0,
             HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
             PRELOAD=bool(cfg.preload) and rows_per_program == 1 and k % cfg.block_k == 0,
@@ -640,7 +536,7 @@ def fp8_gemv_add_norm(
     squares = torch.empty(programs, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(programs, 1, 1)](
         x, weight, weight_scale, weight_scale, out, out, 1, n, k, x.stride(0), out.stride(0), k,
-        residual, norm_weight, squares, programs, 0.0, *_no_rope(out),
+        residual, norm_weight, squares, programs, 0.0,
         HAS_BIAS=False, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
         EVEN_K=k % cfg.block_k == 0, GATED=False, PRELOAD=False, ADD_NORM=True,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
@@ -672,117 +568,10 @@ def fp8_gemv_normed(
     _fp8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n), 1, 1)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, out,
         1, n, k, x.stride(0), out.stride(0), k,
-        out, weight_scale, squares, num_squares, eps, *_no_rope(out),
+        out, weight_scale, squares, num_squares, eps,
         HAS_BIAS=bias is not None, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=1, EVEN_K=k % cfg.block_k == 0, GATED=gated, PRELOAD=False, NORMED=True,
         SQUARES_PAD=triton.next_power_of_2(num_squares),
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
     )  # fmt: skip
     return out
-
-
-def _no_rope(t: torch.Tensor) -> tuple[object, ...]:
-    """The ROPE arguments of `_fp8_gemv_kernel` at a launch without them (unused)."""
-    return (t, t, t, t, t, t, t, t, t, 0.0, 0)
-
-
-# ---- the q/k/v product that finishes its heads (rotary, cache write) ----------------------
-#
-# At one token the rotary kernel between q/k/v and attention reads back the product's 1,536
-# values and writes the rotated queries and the cache: a launch of a few microseconds in
-# every layer, most of it the latency of a dependent kernel. `fp8_gemv_rope` does that work
-# in the product: each program stores its outputs as usual, then counts itself in for its head
-# (a head's 2 * HALF rows are `2 * HALF / BLOCK_N` programs); the last of a head's programs
-# reads the head back from L2 and finishes it with the rotary kernel's arithmetic
-# (`layer_ops.norm_rope_halves`; an FP8 cache's keys and the queries for it rotated by
-# `kernels.fp8.hadamard_halves` instead of a matrix-unit product, which would take shared
-# memory from every program of the product).
-
-_HEAD_COUNTS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def head_counts(device: torch.device, heads: int) -> torch.Tensor | None:
-    """The per-head arrival counts `fp8_gemv_rope` takes (`kernels.zeroed_counters`: one
-    array a device, zero between launches; None inside a CUDA graph capture that would have to
-    make them, where the caller runs the rotary kernel instead)."""
-    return zeroed_counters(_HEAD_COUNTS, device, heads, 256)
-
-
-def rope_config(num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> (
-    GemvConfig | None
-):  # fmt: skip
-    """The tile `fp8_gemv_rope` runs for this q/k/v shape, or None where it cannot (a head dim
-    that is not twice a power of two of at least 4, or not a whole number of tiles)."""
-    half = head_dim // 2
-    if head_dim % 2 or half < 4 or half & (half - 1):
-        return None
-    config = _one_row_config((num_q_heads + 2 * num_kv_heads) * head_dim, device)
-    return config if head_dim % config.block_n == 0 else None
-
-
-def fp8_gemv_rope(
-    x: torch.Tensor,  # [1, K] (with `normed`: s * norm weight, from fp8_gemv_add_norm)
-    weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K] float8_e4m3fn: q, k, v rows
-    weight_scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None,
-    num_q_heads: int,
-    num_kv_heads: int,
-    cos: torch.Tensor,  # [D] of the token's position, contiguous, in x's dtype
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D]: x's dtype or FP8, contiguous
-    slot_mapping: torch.Tensor,  # [1] int64, negative: padding (nothing stored)
-    counts: torch.Tensor,  # head_counts(device, Hq + 2 Hkv)
-    kv_scale: torch.Tensor | None = None,  # [2, Hkv] float32: an FP8 cache's
-    q_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # q and k weights, eps
-    rotate_queries: bool = False,
-    normed: tuple[torch.Tensor, float] | None = None,  # the squares and eps (fp8_gemv_normed)
-) -> torch.Tensor:  # [1, Hq, D]: the queries, rotated (times H with rotate_queries)
-    """The one-row q/k/v product (`fp8_gemv`; with `normed`, `fp8_gemv_normed`'s) followed by
-    what `layer_ops.qk_norm_rope(q, k, cos, sin, ..., v=v, kv_cache=kv_cache, ...)` does with
-    its output, in one launch: the keys rotated and the values into the cache at the token's
-    slot, the rotated queries returned. The same numbers as the two kernels, but for an FP8
-    cache's rotation by H (float32 sums in another order: `kernels.fp8.hadamard_halves`)."""
-    k = _check_one_row("fp8_gemv_rope", x, weight, weight_scale)
-    head_dim = kv_cache.shape[-1]
-    heads = num_q_heads + 2 * num_kv_heads
-    n = weight.shape[0]
-    if n != heads * head_dim:
-        raise ValueError(
-            f"fp8_gemv_rope: weight has {n} rows, not (Hq + 2 Hkv) * D = {heads * head_dim}"
-        )
-    cfg = rope_config(num_q_heads, num_kv_heads, head_dim, x.device)
-    if cfg is None:
-        raise ValueError(f"fp8_gemv_rope: head dim {head_dim} has no tile here")
-    assert kv_cache.is_contiguous() and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim)
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == head_dim
-    assert counts.dtype == torch.int32 and counts.numel() >= heads
-    fp8 = is_fp8(kv_cache.dtype)
-    if not fp8 and kv_cache.dtype != x.dtype:
-        raise ValueError(f"fp8_gemv_rope: a cache of {kv_cache.dtype} for {x.dtype} values")
-    if fp8:
-        assert kv_scale is not None and tuple(kv_scale.shape) == (2, num_kv_heads)
-        assert kv_scale.dtype == torch.float32 and kv_scale.is_contiguous()
-    rotate_k = fp8 and rotates_keys(head_dim)
-    if rotate_queries and not rotate_k:
-        raise ValueError("fp8_gemv_rope: rotate_queries is for an FP8 cache's rotated keys")
-    squares, eps = normed if normed is not None else (weight_scale, 0.0)
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    q_out = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    q_weight, k_weight, qk_eps = q_norm if q_norm is not None else (x, x, 0.0)
-    ha, hb = hadamard_factors(head_dim // 2)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), 1, 1)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, out,
-        1, n, k, x.stride(0), out.stride(0), k,
-        out, weight_scale, squares, squares.numel(), eps,
-        counts, q_out, kv_cache, slot_mapping, kv_scale if fp8 else weight_scale, cos, sin,
-        q_weight, k_weight, qk_eps, kv_cache[0].numel(),
-        HAS_BIAS=bias is not None, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=1, EVEN_K=k % cfg.block_k == 0, GATED=False, PRELOAD=False,
-        NORMED=normed is not None,
-        SQUARES_PAD=triton.next_power_of_2(squares.numel()) if normed is not None else 1,
-        ROPE=True, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-        PAGE=kv_cache.shape[2], QK_NORM=q_norm is not None, KV_FP8=fp8, ROTATE_K=rotate_k,
-        ROTATE_Q=rotate_queries, HADAMARD_A=ha, HADAMARD_B=hb,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
-    )  # fmt: skip
-    return q_out

@@ -234,9 +234,8 @@ def norm_rope_halves(  # type: ignore[no-untyped-def]
     DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Heads given as their halves (fp32 values of DTYPE, `[rows, HALF]` each): normed
-    (optionally) and rotated, each rounding where the torch layers round. One definition for
-    the rotary kernel and the q/k/v product that finishes its heads itself
-    (`fp8_gemv.fp8_gemv_rope`), so both give the same numbers."""
+    (optionally) and rotated, each rounding where the torch layers round: the arithmetic of the
+    rotary kernel's `_norm_rope_heads`."""
     dims = tl.arange(0, HALF)[None, :]
     if HAS_NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), rounded like the torch layer
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)

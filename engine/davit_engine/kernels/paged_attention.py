@@ -6,8 +6,7 @@ key/value load and a decode step still fills a 16-row matrix tile. Keys are gath
 through the block table, causally (a new token at absolute position p sees keys at positions
 <= p, the cached prefix included). For long contexts with few programs (decode at small batch)
 the key range is split over `num_splits` programs whose partial results a second kernel merges
-by their log-sum-exp, or (`MERGE_IN_LAST_SPLIT`) the last of a run's split programs to finish
-merges in the attention kernel itself, told by a ticket counter in global memory.
+by their log-sum-exp.
 
 An FP8 cache (`float8_e4m3fn`, see `kernels/kv_cache.py`) is read at half the bytes: each tile is
 widened exactly to fp16 with the hardware conversion (sm_89+: one instruction per pair of
@@ -31,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import multiprocessors, zeroed_counters
+from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.fp8 import hadamard_tile, to_f16_saturated
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import fp8_values_by_key, hadamard, is_fp8, rotates_keys
@@ -129,7 +128,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     num_q_tiles,
     num_requests,
     split_programs,
-    counter_ptr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -150,8 +148,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     Q_ROTATED: tl.constexpr,
     F16_DOT: tl.constexpr,
     EARLY: tl.constexpr,
-    MERGE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # EARLY: the step's metadata (query offsets, lengths, block tables) and the scales are read
@@ -303,68 +299,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             )
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-    if MERGE:  # every program takes a ticket, its q tile empty or its split without keys too
-        _merge_in_last_split(
-            part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, pid * NUM_KV_HEADS + kv_head,
-            q_begin, q_len, q_tile, kv_head, tiles_per_split, num_tiles, stride_ot, stride_oh,
-            NUM_Q_HEADS, NUM_SPLITS, SPLITS_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM,
-            BLOCK_D,
-        )  # fmt: skip
-
-
-@triton.jit
-def _merge_in_last_split(  # type: ignore[no-untyped-def]
-    part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, idx, q_begin, q_len, q_tile, kv_head,
-    tiles_per_split, num_tiles, stride_ot, stride_oh, NUM_Q_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """After a split program stored its partial results: its ticket at the counter `idx` of its
-    (request, q tile, KV head), and in the last of the NUM_SPLITS to arrive, the merge of their
-    rows into `out` and the counter back to zero for the next launch.
-
-    The merge takes one (token, query head) row at a time with all its splits in one load,
-    `_merge_splits_kernel`'s arithmetic: at decode a tile has one token, so its GROUP rows are
-    GROUP round trips to L2 (not one per split). A split without key tiles stored no partial
-    output and is not read; whether a split has keys is the same for every row (the run's key
-    tiles are the program's), so the partials load beside their log-sum-exps instead of after
-    them.
-
-    The release of the ticket's add follows a barrier of the program's threads, so it covers
-    every thread's stores; the last program's add acquires all of them. It reads the partials
-    through L2 (`.cg`): L1 is not coherent across multiprocessors."""
-    tl.debug_barrier()  # every thread's stores of the partials precede the release
-    ticket = tl.atomic_add(counter_ptr + idx, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        # Every other program of the run has arrived: none touches the counter again.
-        tl.atomic_xchg(counter_ptr + idx, 0, sem="relaxed", scope="gpu")
-        tl.debug_barrier()  # the one thread's acquire precedes every thread's loads
-        splits = tl.arange(0, SPLITS_PAD)
-        begin = splits * tiles_per_split
-        has_keys = (splits < NUM_SPLITS) & (begin < tl.minimum(begin + tiles_per_split, num_tiles))
-        dims = tl.arange(0, BLOCK_D)
-        first_tok = q_tile * BLOCK_Q
-        last_tok = tl.minimum(first_tok + BLOCK_Q, q_len)
-        for tok in range(first_tok, last_tok):
-            for head_in_group in range(GROUP):
-                q_head = kv_head * GROUP + head_in_group
-                token = (q_begin + tok).to(tl.int64)
-                base = (token * NUM_Q_HEADS + q_head) * NUM_SPLITS
-                lse = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS,
-                              other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-                parts = tl.load(
-                    part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
-                    mask=has_keys[:, None] & (dims[None, :] < HEAD_DIM),
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                merged = _merged_row(parts, lse)  # a split without keys weighs 0 (lse -inf)
-                tl.store(
-                    out_ptr + token * stride_ot + q_head * stride_oh + dims,
-                    merged.to(out_ptr.dtype.element_ty),
-                    mask=dims < HEAD_DIM,
-                )
 
 
 @triton.jit
@@ -392,8 +326,7 @@ def _balanced_split_tiles(  # type: ignore[no-untyped-def]
 @triton.jit
 def _merged_row(parts, lse):  # type: ignore[no-untyped-def]
     """One (token, query head) row's splits `parts` [splits, BLOCK_D] merged by their base-2
-    log-sum-exps `lse` [splits] (-inf: a split without keys, weight 0), in float32; shared by
-    the merge kernel and the merge in the last split, so both compute it alike."""
+    log-sum-exps `lse` [splits] (-inf: a split without keys, weight 0), in float32."""
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
@@ -505,16 +438,6 @@ LOADS_BEFORE_WAIT = True
 # (medians of three), and the balanced FP8 decode was slower at 6 of 7 of W1's steps; a switch
 # so that a benchmark can run the engine each way.
 BALANCE_SPLITS = False
-# Whether a split attention's partial results are merged in the attention kernel, by the last
-# of each (request, q tile, KV head)'s split programs to finish (`_merge_in_last_split`), instead
-# of by a second kernel: at W2's decode (one request, 8 KV heads, 16 splits) that kernel is one
-# more launch a layer, 32 a step, each a few microseconds. Its programs take tickets from
-# counters kept per device (`kernels.zeroed_counters`); a launch that would have to make or grow
-# them inside a CUDA graph capture takes the two kernels. Off: slower on an H100 (bench notes,
-# run 29: W2 with FP8 weights and KV 278.6 decode tok/s against 287.7, one round each;
-# presumably the last split's merge runs after its own work, on the critical path, where the merge
-# kernel's launch overlapped under PDL). A switch so that a benchmark can time both.
-MERGE_IN_LAST_SPLIT = False
 # Waves per cache kind: the best of 2, 3 and 4 for both in the list-scheduling model of W1
 # (`python -m davit_tools.bench.split_model`: FP8 -14.6%, bf16 -5.5% against the engine's
 # proportional splits; bench notes, between runs 23 and 24).
@@ -524,14 +447,6 @@ BALANCED_WAVES = {"model": 3.0, "fp8": 3.0}
 _BALANCED_GRID_SLACK = 2
 # The fewest key tiles a balanced split owns (below, the program's fixed cost dominates).
 _MIN_BALANCED_SPLIT_TILES = 2
-
-
-# Ticket counters of `MERGE_IN_LAST_SPLIT`, one int32 per (program of the grid's first axis, KV
-# head), by (device type, index) (`kernels.zeroed_counters`): a launch touches them only after
-# its wait for the kernel before (pdl.py), and starts only once the launch before it passed its
-# own wait, so one array a device serves successive launches.
-_SPLIT_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_MIN_SPLIT_COUNTERS = 1 << 16
 
 
 def _cache_kind(fp8: bool) -> str:
@@ -612,8 +527,7 @@ def paged_attention(
 
     `num_splits > 1` splits every request's key range (use it for decode at small batch); the
     launch shape depends only on the batch size, `max_query_len` and `num_splits`, so the call is
-    safe to capture in a CUDA graph (with `MERGE_IN_LAST_SPLIT`, merging in the kernel where an
-    eager call on the device made the ticket counters first, else with the merge kernel).
+    safe to capture in a CUDA graph.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -683,11 +597,6 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     grid = (num_requests * num_q_tiles, num_kv_heads, num_splits)
-    counters = None
-    if MERGE_IN_LAST_SPLIT and num_splits > 1:
-        counters = zeroed_counters(
-            _SPLIT_COUNTERS, q.device, grid[0] * num_kv_heads, _MIN_SPLIT_COUNTERS
-        )
     _paged_attention_kernel[grid](
         q,
         kv_cache[0],
@@ -709,7 +618,6 @@ def paged_attention(
         num_q_tiles,
         num_requests,
         split_programs if balanced else 1,
-        counters if counters is not None else seq_lens,  # unused without the merge
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -730,14 +638,12 @@ def paged_attention(
         Q_ROTATED=queries_rotated,
         F16_DOT=fp8 and q.dtype != torch.float32,
         EARLY=LOADS_BEFORE_WAIT,
-        MERGE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **limits,
         **pdl_launch(q.device),
     )
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_out,
             part_lse,

@@ -108,7 +108,6 @@ TEST_PATHS = (
     "tests/engine/kernels/test_fp8.py",
     "tests/engine/kernels/test_fp8_linear.py",
     "tests/engine/kernels/test_fp8_gemv.py",
-    "tests/engine/kernels/test_fp8_gemv_rope.py",
     "tests/engine/kernels/test_kv_cache.py",
     "tests/engine/kernels/test_paged_attention.py",
     "tests/engine/kernels/test_layer_ops.py",
@@ -880,16 +879,6 @@ VARIANTS = {
         "fp8",
         (("davit_engine.runner.v2.fused_layers", "NORM_IN_ONE_ROW_PRODUCTS", False),),
     ),
-    # at one token, the rotary kernel's work done by the FP8 q/k/v product's last program of
-    # each head (fused_layers.ROPE_IN_QKV_PRODUCT: one launch fewer a layer)
-    "fp8-both-rope-in-qkv": Variant(
-        "fp8-both-rope-in-qkv",
-        "fp8",
-        "fp8",
-        (("davit_engine.runner.v2.fused_layers", "ROPE_IN_QKV_PRODUCT", True),),
-    ),
-    # split decodes merged by each run's last split program (paged_attention.MERGE_IN_LAST_SPLIT)
-    **_attention_variants("merge-in-split", "MERGE_IN_LAST_SPLIT", True),
     # decodes split in many short ranges (W2's) at 8 warps a program instead of 4
     # (paged_attention.SHORT_SPLIT_NUM_WARPS)
     **_attention_variants("split-8w", "SHORT_SPLIT_NUM_WARPS", 8),

@@ -74,23 +74,11 @@ def _attention_heads(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-    normed: tuple[torch.Tensor, float] | None = None,  # x = s * norm weight: squares and eps
+    qkv: torch.Tensor | None = None,  # [T, q + 2 kv]: the projection, when the caller made it
 ) -> torch.Tensor:  # [T, Hq * D], the o projection's input
     num_tokens = x.shape[0]
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
-    q_done = _rope_in_product(module, x, cos, sin, kv_cache, meta, normed)
-    if q_done is not None:  # the product rotated the queries and wrote the cache
-        rotate_q = is_fp8(kv_cache.dtype) and rotates_keys(dim)
-        out = cast(TritonPagedAttention, meta.backend).forward(
-            q_done, kv_cache, meta, module.scale, module.kv_scale, queries_rotated=rotate_q
-        )
-        return out.reshape(num_tokens, heads * dim)
-    if normed is not None:
-        proj = cast(Fp8Linear, module.qkv_proj)
-        qkv = fp8_gemv.fp8_gemv_normed(
-            x, normed[0], normed[1], proj.weight, proj.weight_scale, proj.bias
-        )
-    else:
+    if qkv is None:
         qkv = module.qkv_proj(x)
     q, k, v = qkv.split(module.split_sizes, dim=-1)
     q = q.view(num_tokens, heads, dim)  # [T, Hq, D]
@@ -119,61 +107,6 @@ def _attention_heads(
         backend.write_kv(k_rot, v, kv_cache, meta.slot_mapping, kv_scale)
         out = backend.forward(q, kv_cache, meta, module.scale, kv_scale)  # [T, Hq, D]
     return out.reshape(num_tokens, heads * dim)
-
-
-# Whether a one-token step's FP8 q/k/v product also does the rotary kernel's work
-# (`fp8_gemv.fp8_gemv_rope`: the last program of each head rotates it and writes the cache),
-# so the rotary kernel is not launched: one launch fewer a layer. Off: slower on an H100 (bench
-# notes, run 29: W2 with FP8 weights and KV 283.9 decode tok/s against 288.3, two rounds each;
-# presumably the head's finish in the product's last program lengthens its tail by more than the
-# launch it saves). A switch so that a benchmark can time both.
-ROPE_IN_QKV_PRODUCT = False
-
-
-def _rope_in_product(
-    module: LlamaAttention,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    normed: tuple[torch.Tensor, float] | None,
-) -> torch.Tensor | None:
-    """The rotated queries `[1, Hq, D]` where this one-token step ran q/k/v with the rotary
-    kernel's work folded in (`ROPE_IN_QKV_PRODUCT`; an FP8 q/k/v projection without a hook,
-    the Triton backend with a cache in the model dtype or FP8, a head dim it has a tile for, a
-    GPU or Triton's interpreter); None where the caller runs the product and the rotary
-    kernel."""
-    if not ROPE_IN_QKV_PRODUCT or x.shape[0] != 1 or x.stride(-1) != 1:
-        return None
-    if x.device.type != "cuda" and not interpreted():
-        return None
-    proj = module.qkv_proj
-    if not isinstance(proj, Fp8Linear) or proj._forward_hooks:
-        return None
-    fp8 = is_fp8(kv_cache.dtype)
-    if not isinstance(meta.backend, TritonPagedAttention) or not (fp8 or kv_cache.dtype == x.dtype):
-        return None
-    heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
-    if proj.weight.shape[0] != (heads + 2 * kv_heads) * dim or not kv_cache.is_contiguous():
-        return None
-    if fp8_gemv.rope_config(heads, kv_heads, dim, x.device) is None:
-        return None
-    counts = fp8_gemv.head_counts(x.device, heads + 2 * kv_heads)
-    if counts is None:
-        return None
-    q_norm, k_norm = module.q_norm, module.k_norm
-    norms = (
-        (q_norm.weight, k_norm.weight, q_norm.eps)
-        if q_norm is not None and k_norm is not None
-        else None
-    )
-    return fp8_gemv.fp8_gemv_rope(
-        x, proj.weight, cast(torch.Tensor, proj.weight_scale), proj.bias, heads, kv_heads,
-        cos.reshape(dim).contiguous(), sin.reshape(dim).contiguous(), kv_cache,
-        meta.slot_mapping, counts, module.kv_scale if fp8 else None, norms,
-        fp8 and rotates_keys(dim), normed,
-    )  # fmt: skip
 
 
 def _fused_attention(module: LlamaAttention) -> Any | None:
@@ -364,12 +297,16 @@ def _norm_chain_forward(
     squares: torch.Tensor | None = None  # None: x is normed (the first layer)
     eps = 0.0
     last = len(layers) - 1
-    for i, (layer, (_qkv, o_proj, gate_up, down), kv_cache, next_norm) in enumerate(
+    for i, (layer, (qkv_proj, o_proj, gate_up, down), kv_cache, next_norm) in enumerate(
         zip(layers, projections, kv_caches, norms_after_mlp, strict=True)
     ):
         attn = layer.self_attn
-        normed = (squares, eps) if squares is not None else None
-        heads = _attention_heads(attn, x, rope[0], rope[1], kv_cache, meta, normed)
+        qkv = None
+        if squares is not None:
+            qkv = fp8_gemv.fp8_gemv_normed(
+                x, squares, eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias
+            )
+        heads = _attention_heads(attn, x, rope[0], rope[1], kv_cache, meta, qkv=qkv)
         post = layer.post_attention_layernorm
         xw, post_squares = fp8_gemv.fp8_gemv_add_norm(
             heads, o_proj.weight, o_proj.weight_scale, residual, post.weight

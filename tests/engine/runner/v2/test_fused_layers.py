@@ -192,89 +192,32 @@ def test_fused_layers_with_fp8_projections(
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("model", ["random:qwen3-tiny", "random:qwen2-tiny", "random:llama-tiny"])
 def test_norms_folded_into_one_row_products(
-    device: torch.device, model: str, rope: bool, monkeypatch: pytest.MonkeyPatch
+    device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`NORM_IN_ONE_ROW_PRODUCTS`: a one-token decode step after a five-token prefill (the
     prefill takes the unfused kernels, the step the products with the norms folded in, every
     layer's adds but the last) gives the plain model's logits and KV caches; q/k/v with a bias
-    (qwen2) and per-head norms (qwen3) included. With `ROPE_IN_QKV_PRODUCT` the q/k/v product
-    also rotates the heads and writes the cache."""
-    _norm_chain_case(device, model, monkeypatch, rope)
+    (qwen2) and per-head norms (qwen3) included."""
+    _norm_chain_case(device, model, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("model", ["random:qwen3-tiny", "random:qwen2-tiny"])
 def test_norms_folded_into_one_row_products_on_the_gpu(
-    model: str, rope: bool, monkeypatch: pytest.MonkeyPatch
+    model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _norm_chain_case(torch.device("cuda"), model, monkeypatch, rope)
-
-
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_rope_in_qkv_product_without_the_norm_chain(
-    device: torch.device, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`ROPE_IN_QKV_PRODUCT` alone (the norms as kernels): the one-token step's logits and
-    caches are the step's with the rotary kernel, for a cache in the model dtype and an FP8
-    cache (keys and queries rotated by H)."""
-    from davit_engine.kernels import fp8_gemv
-
-    monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", False)
-    calls = {"n": 0}
-    original = fp8_gemv.fp8_gemv_rope
-
-    def counted(*args: object, **kw: object) -> object:
-        calls["n"] += 1
-        return original(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fp8_gemv, "fp8_gemv_rope", counted)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = EngineConfig(model="random:llama-tiny", dtype=dtype, device=device.type,
-                          quantization="fp8")  # fmt: skip
-    base = load_model(config, device).model
-    outs, caches_out = [], []
-    for rope in (False, True):
-        monkeypatch.setattr(fused_layers, "ROPE_IN_QKV_PRODUCT", rope)
-        net = load_model(config, device).model
-        net.load_state_dict(base.state_dict())
-        install_fused_layers(net)
-        logits, caches = _prefill_then_step(net, device, dtype, kv_dtype, TritonPagedAttention())
-        outs.append(logits)
-        caches_out.append(caches)
-    assert calls["n"] == len(base.model.layers)
-    # Off the GPU the product without the fold is the projection's torch emulation (another
-    # summation order than the kernel's); on it, bf16 and H's sums: within rounding, an FP8
-    # cache's codes an e4m3 step apart at most
-    tol = 1e-4 if dtype == "float32" else 3e-2
-    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
-    if kv_dtype == "fp8":
-        differ = caches_out[1] != caches_out[0]
-        assert int(differ.sum()) <= max(4, differ.numel() // 500)
-    else:
-        torch.testing.assert_close(caches_out[1], caches_out[0], atol=tol, rtol=tol)
+    _norm_chain_case(torch.device("cuda"), model, monkeypatch)
 
 
 def _prefill_then_step(
-    net: torch.nn.Module,
-    device: torch.device,
-    dtype: str,
-    kv_dtype: str,
-    backend: AttentionBackend,
+    net: torch.nn.Module, device: torch.device, dtype: str, backend: AttentionBackend
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a one-token step after a five-token prefill, and the caches after it (as
-    float32; an FP8 cache's values through their scales are not applied: codes compared)."""
-    from davit_engine.layers.fp8 import FP8_DTYPE
-
+    float32)."""
     page, num_blocks = 4, 2
-    cache_dtype = FP8_DTYPE if kv_dtype == "fp8" else getattr(torch, dtype)
-    caches = _caches(net.config, num_blocks, page, device, cache_dtype)
-    if kv_dtype == "fp8":
-        for layer in net.model.layers:
-            layer.self_attn.kv_scale.fill_(0.02)
+    caches = _caches(net.config, num_blocks, page, device, getattr(torch, dtype))
     with torch.inference_mode():
         net(torch.tensor([5, 77, 301, 9, 140], device=device), torch.arange(5, device=device),
             caches, _prefill_meta(device, 5, num_blocks, backend))  # fmt: skip
@@ -293,17 +236,12 @@ def _prefill_then_step(
     return logits, torch.stack([c.float() for c in caches])
 
 
-def _norm_chain_case(
-    device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch, rope: bool = False
-) -> None:
+def _norm_chain_case(device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from davit_engine.kernels import fp8_gemv
 
     monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", True)
-    monkeypatch.setattr(fused_layers, "ROPE_IN_QKV_PRODUCT", rope)
-    calls = {"add_norm": 0, "normed": 0, "rope": 0}
-    for name, key in (
-        ("fp8_gemv_add_norm", "add_norm"), ("fp8_gemv_normed", "normed"), ("fp8_gemv_rope", "rope")
-    ):  # fmt: skip
+    calls = {"add_norm": 0, "normed": 0}
+    for name, key in (("fp8_gemv_add_norm", "add_norm"), ("fp8_gemv_normed", "normed")):
         original = getattr(fp8_gemv, name)
 
         def counted(*args: object, _f: object = original, _k: str = key, **kw: object) -> object:
@@ -319,16 +257,13 @@ def _norm_chain_case(
     install_fused_layers(fused)
     outs, caches_out = [], []
     for net, backend in ((plain, TorchPagedAttention()), (fused, TritonPagedAttention())):
-        logits, caches = _prefill_then_step(net, device, dtype, "auto", backend)
+        logits, caches = _prefill_then_step(net, device, dtype, backend)
         outs.append(logits)
         caches_out.append(caches)
     layers = len(fused.model.layers)
     # o and down of every layer but the last one's down; gate/up of every layer, q/k/v but the
-    # first layer's (with the rotary folded in: every q/k/v in fp8_gemv_rope)
-    if rope:
-        assert calls == {"add_norm": 2 * layers - 1, "normed": layers, "rope": layers}
-    else:
-        assert calls == {"add_norm": 2 * layers - 1, "normed": 2 * layers - 1, "rope": 0}
+    # first layer's
+    assert calls == {"add_norm": 2 * layers - 1, "normed": 2 * layers - 1}
     tol = 3e-2 if dtype == "bfloat16" else 1e-4
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     torch.testing.assert_close(caches_out[1], caches_out[0], atol=tol, rtol=tol)
@@ -336,46 +271,31 @@ def _norm_chain_case(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
-@pytest.mark.parametrize(
-    ("switch", "counted_name", "kv_dtype"),
-    [
-        ("NORM_IN_ONE_ROW_PRODUCTS", "fp8_gemv_add_norm", "auto"),
-        ("ROPE_IN_QKV_PRODUCT", "fp8_gemv_rope", "auto"),
-        ("ROPE_IN_QKV_PRODUCT", "fp8_gemv_rope", "fp8"),
-    ],
-)
-def test_folds_through_the_engine(
-    enforce_eager: bool,
-    switch: str,
-    counted_name: str,
-    kv_dtype: str,
-    monkeypatch: pytest.MonkeyPatch,
+def test_norm_chain_through_the_engine(
+    enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The folded norms (`NORM_IN_ONE_ROW_PRODUCTS`) and the rotary folded into q/k/v
-    (`ROPE_IN_QKV_PRODUCT`, over a float32 cache and an FP8 one) through runner V2 at one
-    request (decode steps of one token, inside the captured CUDA graph unless eager): the
-    greedy tokens with the switch off (float32 activations, so a moved rounding is below the
-    logits' ties)."""
+    """The folded norms (`NORM_IN_ONE_ROW_PRODUCTS`) through runner V2 at one request (decode
+    steps of one token, inside the captured CUDA graph unless eager): the greedy tokens of the
+    unfused kernels (float32 activations, so the moved rounding is below the logits' ties)."""
     from davit_engine.kernels import fp8_gemv
     from davit_engine.llm import LLM
     from davit_engine.types import SamplingParams
 
     calls = {"n": 0}
-    original = getattr(fp8_gemv, counted_name)
+    original = fp8_gemv.fp8_gemv_add_norm
 
     def counted(*args: object, **kw: object) -> object:
         calls["n"] += 1
-        return original(*args, **kw)
+        return original(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fp8_gemv, counted_name, counted)
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_add_norm", counted)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
     for on in (False, True):
-        monkeypatch.setattr(fused_layers, switch, on)
+        monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", on)
         calls["n"] = 0
         llm = LLM("random:llama-tiny", device="cuda", dtype="float32", quantization="fp8",
-                  kv_cache_dtype=kv_dtype, runner="v2", enforce_eager=enforce_eager,
-                  max_num_batched_tokens=256)  # fmt: skip
+                  runner="v2", enforce_eager=enforce_eager, max_num_batched_tokens=256)  # fmt: skip
         try:
             tokens[on] = [out.token_ids for out in llm.generate([[5, 9, 77, 300, 12]], greedy)]
         finally:
