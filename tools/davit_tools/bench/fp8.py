@@ -546,6 +546,13 @@ def _tile_switches(spec: str) -> tuple[tuple[str, str, object], ...]:
     )
 
 
+def _tile_variant_switches(spec: str) -> tuple[tuple[str, str, object], ...]:
+    """The switches of `_tile_switches(spec)` that differ from the engine's tile (the first of
+    `DECODE_TILE_CONFIGS`): a variant sets only what it changes."""
+    engine = dict(((m, a), v) for m, a, v in _tile_switches(DECODE_TILE_CONFIGS.split(";")[0]))
+    return tuple(sw for sw in _tile_switches(spec) if engine[sw[0], sw[1]] != sw[2])
+
+
 def section_decode_tiles(args: argparse.Namespace) -> None:
     """The FP8 cache's unsplit / few-split decode launch (queries rotated, the engine's
     splits) at W1's uniform shape and at W1 steps with their real contexts, in each tile of
@@ -861,7 +868,7 @@ VARIANTS = {
             f"{base}-tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}",
             quantization,
             kv,
-            _tile_switches(f"{block}/{warps}/{stages}/{cap}"),
+            _tile_variant_switches(f"{block}/{warps}/{stages}/{cap}"),
         )
         for base, quantization, kv in _BASES
         if kv == "fp8"
@@ -869,6 +876,7 @@ VARIANTS = {
         for warps in (2, 4, 8)
         for stages in (1, 2, 3)
         for cap in (128, 0)
+        if _tile_variant_switches(f"{block}/{warps}/{stages}/{cap}")
     },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
