@@ -231,6 +231,14 @@ def test_capabilities_and_arguments(version: str) -> None:
     assert found.speculative_methods is not None and found.pass_config is not None
     known = {m for m, named in found.speculative_methods.operator.items() if named}
     assert set(entry.capabilities.speculative_methods or API_METHODS) == known
+    # engine.quantization / engine.kvCacheDtype: recorded as the release's own Literals say
+    assert found.precision is not None
+    for recorded, values in (
+        (entry.capabilities.quantization, found.precision.quantization),
+        (entry.capabilities.kv_cache_dtypes, found.precision.kv_cache_dtypes),
+    ):
+        assert recorded is not None, version
+        assert set(recorded) == {v for v, named in values.operator.items() if named}
     key = found.pass_config.sequence_parallelism_key
     spelling = entry.arguments.sequence_parallelism
     assert (spelling.pass_config_key if spelling else None) == key

@@ -29,7 +29,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from davit_operator.api.spec import InferenceServiceSpec, SpeculativeMethod
+from davit_operator.api.spec import (
+    InferenceServiceSpec,
+    KvCacheDType,
+    Quantization,
+    SpeculativeMethod,
+)
 from davit_operator.catalog.loader import Catalog, load_catalog
 from davit_operator.planning.args import engine_invocation
 from davit_operator.planning.errors import PlanError
@@ -213,3 +218,12 @@ def emitted_flags(lines: list[CommandLine]) -> list[str]:
 def operator_speculative_methods() -> list[str]:
     """The speculative methods of the operator's API."""
     return list(typing.get_args(SpeculativeMethod))
+
+
+def operator_precision_values() -> dict[str, list[str]]:
+    """The values of the operator's `engine.quantization` and `engine.kvCacheDtype` that it
+    passes as flags (`auto`, the model dtype, passes none)."""
+    return {
+        "quantization": list(typing.get_args(Quantization)),
+        "kvCacheDtype": [v for v in typing.get_args(KvCacheDType) if v != "auto"],
+    }

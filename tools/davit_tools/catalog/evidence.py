@@ -60,6 +60,7 @@ def release_evidence(
         "summary": summarize(selection, lists, guards),
         "flags": sections.flag_lookup(wheel, emitted_flags(lines)),
         "speculativeMethods": sections.speculative_methods(wheel),
+        "precision": sections.precision(wheel),
         "passConfig": sections.pass_config(wheel),
         "build": sections.build_facts(wheel),
         "contract": contract_section(wheel, lines, check),
@@ -87,11 +88,31 @@ def unpublished(version: str) -> Evidence:
             "summary": None,
             "flags": None,
             "speculativeMethods": None,
+            "precision": None,
             "passConfig": None,
             "build": None,
             "contract": None,
         }
     )
+
+
+# Sections `--update` recomputes from the wheel alone (no command lines, no contract check).
+UPDATABLE = {
+    "precision": sections.precision,
+    "speculativeMethods": sections.speculative_methods,
+}
+
+
+def updated(wheel: ReleaseWheel, out_dir: Path, names: list[str]) -> Evidence:
+    """The release's committed evidence with the sections `names` read again from its wheel
+    (a section added to the tool since the file was written; the others stay as they are)."""
+    path = out_dir / f"vllm-{wheel.version}.json"
+    document = json.loads(path.read_text())
+    if document.get("artifact", {}).get("sha256") != wheel.sha256:
+        raise SystemExit(f"{path}: written from another wheel than {wheel.filename}")
+    for name in names:
+        document[name] = UPDATABLE[name](wheel)
+    return Evidence.model_validate(document)
 
 
 def write(evidence: Evidence, out_dir: Path) -> Path:
@@ -114,7 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the contract check (no environment is built; lines get parsed: null)",
     )
+    parser.add_argument(
+        "--update",
+        action="append",
+        choices=sorted(UPDATABLE),
+        metavar="SECTION",
+        help="recompute only this section of the committed file from the wheel (repeatable; "
+        f"{', '.join(sorted(UPDATABLE))}); the other sections stay as written",
+    )
     args = parser.parse_args(argv)
+    if args.update:
+        for version in args.versions:
+            wheel = open_release(args.wheel_dir, version)
+            path = write(updated(wheel, args.out, args.update), args.out)
+            print(f"{version}: updated {', '.join(args.update)} in {path}", flush=True)
+        return 0
     failed: list[str] = []
     for version in args.versions:
         lines = operator_command_lines(version)

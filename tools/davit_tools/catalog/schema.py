@@ -222,6 +222,23 @@ class SpeculativeMethods(_Data):
     verified: Literal[True]
 
 
+class PrecisionValues(_Data):
+    """A Literal the release types one engine argument with, and per value of the operator's
+    field whether the release names it."""
+
+    known: list[str]
+    operator: dict[str, bool]
+    source: str
+
+
+class Precision(_Data):
+    """`--quantization` (`QuantizationMethods`) and `--kv-cache-dtype` (`CacheDType`)."""
+
+    quantization: PrecisionValues
+    kv_cache_dtypes: PrecisionValues
+    verified: Literal[True]
+
+
 class PassConfigField(_Data):
     name: str
     annotation: str
@@ -345,6 +362,7 @@ class Evidence(_Data):
     summary: Summary | None
     flags: Flags | None
     speculative_methods: SpeculativeMethods | None
+    precision: Precision | None
     pass_config: PassConfig | None
     build: Build | None
     contract: Contract | None

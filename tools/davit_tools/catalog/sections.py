@@ -1,8 +1,8 @@
 """The evidence file's sections read from one wheel, as the plain data the schema validates.
 
 One builder per section (`artifact`, `runner_classes`, `switch`, `selection`, `feature_lists`,
-`guards`, `platform_predicates`, `flag_lookup`, `speculative_methods`, `pass_config`,
-`build_facts`); each
+`guards`, `platform_predicates`, `flag_lookup`, `speculative_methods`, `precision`,
+`pass_config`, `build_facts`); each
 names the file inside the wheel it read (`source`) and marks the facts `verified`.
 """
 
@@ -11,11 +11,18 @@ from __future__ import annotations
 import re
 
 from davit_tools.catalog import build, features, flags, passconfig, runners
-from davit_tools.catalog.command_lines import operator_speculative_methods
+from davit_tools.catalog.command_lines import (
+    operator_precision_values,
+    operator_speculative_methods,
+)
 from davit_tools.catalog.summary import list_role
 from davit_tools.catalog.wheel import ReleaseWheel
 
 SPECULATIVE = "vllm/config/speculative.py"
+# Where `--quantization` and `--kv-cache-dtype` take their values from (`QuantizationMethods`,
+# `CacheDType`: the Literals the engine arguments are typed with)
+QUANTIZATION = "vllm/model_executor/layers/quantization/__init__.py"
+CACHE = "vllm/config/cache.py"
 
 
 def _version_commit(wheel: ReleaseWheel) -> str | None:
@@ -196,6 +203,28 @@ def speculative_methods(wheel: ReleaseWheel) -> dict[str, object] | None:
         "known": sorted(known),
         "operator": {m: m in known for m in operator_speculative_methods()},
         "source": SPECULATIVE,
+        "verified": True,
+    }
+
+
+def precision(wheel: ReleaseWheel) -> dict[str, object] | None:
+    """The release's `--quantization` methods and `--kv-cache-dtype` values, and per value of
+    the operator's fields whether the release names it; None where either file is missing."""
+    if not (wheel.has(QUANTIZATION) and wheel.has(CACHE)):
+        return None
+    wanted = operator_precision_values()
+
+    def values(path: str, name: str, field: str) -> dict[str, object]:
+        known = flags.literal_values(wheel, path, name)
+        return {
+            "known": sorted(known),
+            "operator": {v: v in known for v in wanted[field]},
+            "source": path,
+        }
+
+    return {
+        "quantization": values(QUANTIZATION, "QuantizationMethods", "quantization"),
+        "kvCacheDtypes": values(CACHE, "CacheDType", "kvCacheDtype"),
         "verified": True,
     }
 
