@@ -84,7 +84,30 @@ def test_kernel_figures_count_overlapping_kernels_once() -> None:
     assert (figures["span_s"], figures["busy_s"], figures["sum_s"]) == (3.1e-4, 2.2e-4, 2.6e-4)
     assert figures["top"][0] == ["attention", 0.0002, 2]
     assert [name for name, _, _ in figures["top"]] == ["attention", "merge"]
-    assert fp8.kernel_figures([]) == {"span_s": 0.0, "busy_s": 0.0, "sum_s": 0.0, "top": []}
+    # idle: one gap of 90 us between the merge (the busy stretch's last end) and the attention
+    assert figures["idle"]["classes"]["20-100us"] == [1, 9e-05]
+    assert sum(count for count, _ in figures["idle"]["classes"].values()) == 1
+    assert figures["idle"]["longest"] == [[90.0, "merge", "attention"]]
+    empty = fp8.kernel_figures([])
+    assert (empty["span_s"], empty["busy_s"], empty["sum_s"], empty["top"]) == (0.0, 0.0, 0.0, [])
+    assert empty["idle"]["longest"] == []
+
+
+def test_idle_figures_classes() -> None:
+    """Gaps fall in classes by length; their seconds add up; the longest come first."""
+    gaps = [
+        (3.0, "a", "b"),
+        (7.0, "b", "c"),
+        (250.0, "c", "d"),
+        (1500.0, "d", "e"),
+        (20.0, "e", "f"),
+    ]
+    idle = fp8.idle_figures(gaps, longest=2)
+    assert idle["classes"] == {
+        "<5us": [1, 3e-06], "5-20us": [1, 7e-06], "20-100us": [1, 2e-05],
+        "100-1000us": [1, 0.00025], ">=1000us": [1, 0.0015],
+    }  # fmt: skip
+    assert idle["longest"] == [[1500.0, "d", "e"], [250.0, "c", "d"]]
 
 
 @pytest.mark.parametrize(

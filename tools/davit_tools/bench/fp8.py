@@ -1031,10 +1031,14 @@ def kernel_figures(spans: list[tuple[str, float, float]], top: int = 20) -> dict
     the GPU busy time (the union of the intervals: kernels launched with programmatic
     dependent launch overlap the one before, so their sum counts that overlap twice), the sum,
     and the `top` kernels by total time with their launch counts, in seconds."""
-    busy, end = 0.0, float("-inf")
-    for start, stop in sorted((a, b) for _, a, b in spans):  # each stretch's new part only
+    busy, end, last = 0.0, float("-inf"), ""
+    gaps: list[tuple[float, str, str]] = []  # idle stretches: (us, kernel before, kernel after)
+    for start, stop, name in sorted((a, b, n) for n, a, b in spans):  # new parts only
+        if start > end > float("-inf"):
+            gaps.append((start - end, last, name))
         busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
+        if stop > end:
+            end, last = stop, name
     totals: dict[str, list[float]] = {}
     for name, start, stop in spans:
         entry = totals.setdefault(name[:80], [0.0, 0])
@@ -1047,6 +1051,31 @@ def kernel_figures(spans: list[tuple[str, float, float]], top: int = 20) -> dict
         "busy_s": round(busy / 1e6, 6),
         "sum_s": round(sum(t for t, _ in totals.values()) / 1e6, 6),
         "top": [[name, round(t / 1e6, 6), int(n)] for name, (t, n) in ranked],
+        "idle": idle_figures(gaps),
+    }
+
+
+# Bounds (us) of the idle-gap classes `idle_figures` counts
+IDLE_BOUNDS_US = (5.0, 20.0, 100.0, 1000.0)
+
+
+def idle_figures(gaps: list[tuple[float, str, str]], longest: int = 5) -> dict[str, Any]:
+    """Where a run's GPU idle time (span minus busy) is: its gaps between kernels by length
+    class (`<5us`, `5-20us`, ... `>=1000us`: count and seconds), and the `longest` gaps with the
+    kernels either side (80 characters of each name). Many short gaps point at launches the
+    GPU waits on; few long ones at the host (scheduling, a step's inputs, a capture)."""
+    classes: dict[str, list[float]] = {}
+    bounds = (0.0, *IDLE_BOUNDS_US, float("inf"))
+    for low, high in zip(bounds, bounds[1:], strict=False):
+        label = f"<{high:g}us" if low == 0 else f">={low:g}us" if high == float("inf") else (
+            f"{low:g}-{high:g}us"
+        )  # fmt: skip
+        inside = [g for g, _, _ in gaps if low <= g < high]
+        classes[label] = [len(inside), round(sum(inside) / 1e6, 6)]
+    ranked = sorted(gaps, key=lambda gap: -gap[0])[:longest]
+    return {
+        "classes": classes,
+        "longest": [[round(g, 1), before[:80], after[:80]] for g, before, after in ranked],
     }
 
 
