@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from davit_engine.types import ParamError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Smallest scale a dynamic quantization uses: an all-zero row must not divide by zero.
@@ -37,6 +39,21 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """FP8 values of `x / scale` (broadcasting), saturated; computed in float32."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def check_scale_values(scale: torch.Tensor, label: str, source: str) -> None:
+    """A checkpoint's FP8 scales (float values) must be finite and non-negative (a zero scale
+    is an all-zero channel or block): else ParamError naming `source` and `label` (e.g.
+    "weight scale 'model.layers.0.mlp.down_proj.weight_scale'")."""
+    values = scale.float()
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        first = float(values.flatten()[bad.flatten()][0])
+        raise ParamError(
+            "model",
+            f"{source}: {label} holds {int(bad.sum())} negative or non-finite values "
+            f"(e.g. {first}); scales must be finite and non-negative",
+        )
 
 
 def fp8_values_by_key(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from davit_engine.layers.attention import AttentionMetadata
+from davit_engine.layers.fp8 import check_scale_values
 from davit_engine.layers.norm import RMSNorm
 from davit_engine.layers.rotary import RotaryEmbedding
 from davit_engine.models.config import ModelConfig
@@ -298,15 +299,7 @@ def _check_weight_scale(tensor: torch.Tensor, name: str, source: str) -> None:
             f"{source}: weight scale {name!r} is {str(tensor.dtype).removeprefix('torch.')}; "
             "expected a float tensor (float32, bfloat16 or float16)",
         )
-    values = tensor.float()
-    bad = ~torch.isfinite(values) | (values < 0)
-    if bool(bad.any()):
-        first = float(values.flatten()[bad.flatten()][0])
-        raise ParamError(
-            "model",
-            f"{source}: weight scale {name!r} holds {int(bad.sum())} negative or non-finite "
-            f"values (e.g. {first}); scales must be finite and non-negative",
-        )
+    check_scale_values(tensor, f"weight scale {name!r}", source)
 
 
 def _checkpoint_names(param_name: str) -> list[str]:

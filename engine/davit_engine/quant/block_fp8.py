@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX
+from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, check_scale_values
 from davit_engine.models.config import WeightBlocks
 from davit_engine.types import ParamError
 
@@ -99,10 +99,7 @@ def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, int], sour
             f"{source}: block scale {name!r} has shape {tuple(scale.shape)}, expected {expected} "
             "(the weight's rows and columns over the checkpoint's weight block size, rounded up)",
         )
-    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-        raise ParamError(
-            "model", f"{source}: block scale {name!r} holds negative or non-finite values"
-        )
+    check_scale_values(scale, f"block scale {name!r}", source)
 
 
 def convert_block_scaled(

@@ -54,6 +54,7 @@ Every result is a JSON line in `$OUT/fp8.jsonl` with its configuration; a table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -65,7 +66,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -534,6 +535,22 @@ DECODE_TILE_CONFIGS = (
 )
 
 
+@contextlib.contextmanager
+def switched(switches: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
+    """Engine module attributes set to the given values (module, attribute, value) while the
+    block runs, restored afterwards in reverse order."""
+    before: list[tuple[Any, str, object]] = []
+    try:
+        for module_name, attribute, value in switches:
+            module = importlib.import_module(module_name)
+            before.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, value)
+        yield
+    finally:
+        for module, attribute, value in reversed(before):
+            setattr(module, attribute, value)
+
+
 def _tile_switches(spec: str) -> tuple[tuple[str, str, object], ...]:
     """`paged_attention` switches for an FP8 decode tile given as `block/warps/stages/cap`."""
     block, warps, stages, cap = (int(v) for v in spec.split("/"))
@@ -553,12 +570,27 @@ def _tile_variant_switches(spec: str) -> tuple[tuple[str, str, object], ...]:
     return tuple(sw for sw in _tile_switches(spec) if engine[sw[0], sw[1]] != sw[2])
 
 
+def _tile_variants() -> dict[str, Variant]:
+    """FP8 KV and FP8 weights + KV variants in each decode tile of 32/64/128 keys, 2/4/8
+    warps, 1-3 stages, capped at 128 registers or not (`-nocap`), but the engine's own."""
+    out: dict[str, Variant] = {}
+    for block in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3):
+                for cap in (128, 0):
+                    switches = _tile_variant_switches(f"{block}/{warps}/{stages}/{cap}")
+                    suffix = f"tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}"
+                    for base, quantization, kv in _BASES:
+                        if kv == "fp8" and switches:
+                            name = f"{base}-{suffix}"
+                            out[name] = Variant(name, quantization, kv, switches)
+    return out
+
+
 def section_decode_tiles(args: argparse.Namespace) -> None:
     """The FP8 cache's unsplit / few-split decode launch (queries rotated, the engine's
     splits) at W1's uniform shape and at W1 steps with their real contexts, in each tile of
     `--tile-configs` (a compile failure is recorded, not raised)."""
-    import importlib
-
     from davit_engine.kernels import paged_attention as pa
     from davit_tools.bench.timing import graph_us
 
@@ -576,10 +608,7 @@ def section_decode_tiles(args: argparse.Namespace) -> None:
     reference: dict[str, torch.Tensor] = {}
     for spec in args.tile_configs.split(";"):
         row: dict[str, Any] = {"tile": spec}
-        saved = [(attr, getattr(pa, attr)) for _, attr, _ in _tile_switches(spec)]
-        for module, attr, value in _tile_switches(spec):
-            setattr(importlib.import_module(module), attr, value)
-        try:
+        with switched(_tile_switches(spec)):
             for label, (q, fp8, kv_scale, tables, lens, qsl, splits, kv_bytes) in batches.items():
                 launch = functools.partial(
                     pa.paged_attention, q, fp8, tables, lens, qsl, 1, dim**-0.5, splits,
@@ -597,9 +626,6 @@ def section_decode_tiles(args: argparse.Namespace) -> None:
                 row[f"{label}_us"] = round(us, 2)
                 row[f"{label}_tb_s"] = round(kv_bytes / us / 1e6, 3)
                 row[f"{label}_splits"] = splits
-        finally:
-            for attr, value in saved:
-                setattr(pa, attr, value)
         record("decode-tiles", **row)
 
 
@@ -863,21 +889,7 @@ VARIANTS = {
     # the FP8 cache's decode in another tile (`fp8-kv-tile-64x4x3`: 64-key tiles, 4 warps, 3
     # stages, registers capped at 128; `-nocap`: uncapped), as the `decode-tiles` section
     # times them
-    **{
-        f"{base}-tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}": Variant(
-            f"{base}-tile-{block}x{warps}x{stages}{'' if cap else '-nocap'}",
-            quantization,
-            kv,
-            _tile_variant_switches(f"{block}/{warps}/{stages}/{cap}"),
-        )
-        for base, quantization, kv in _BASES
-        if kv == "fp8"
-        for block in (32, 64, 128)
-        for warps in (2, 4, 8)
-        for stages in (1, 2, 3)
-        for cap in (128, 0)
-        if _tile_variant_switches(f"{block}/{warps}/{stages}/{cap}")
-    },
+    **_tile_variants(),
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
     # 2 x layers - 1 launches fewer a step)
@@ -970,47 +982,43 @@ def _run_workload(
     )
 
     # set before the engine exists: its decode graphs are captured inside make_core
-    before = []
-    for module_name, attribute, value in variant.switches:
-        module = importlib.import_module(module_name)
-        before.append((module, attribute, getattr(module, attribute)))
-        setattr(module, attribute, value)
-    start = time.perf_counter()
-    core = None
-    try:
-        core = make_core(workload.model, "v2", False, "bfloat16",
-                         quantization=variant.quantization, kv_cache_dtype=variant.kv_cache_dtype,
-                         lm_head_quantization=variant.lm_head_quantization,
-                         **workload.engine_limits())  # fmt: skip
-        setup_s = time.perf_counter() - start
-        vocab = core.model_info.vocab_size
-        _engine_loop(core, warmup_requests(vocab))
-        requests = workload_requests(workload, vocab)
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+    with switched(variant.switches):
+        start = time.perf_counter()
+        core = None
+        try:
+            core = make_core(workload.model, "v2", False, "bfloat16",
+                             quantization=variant.quantization, kv_cache_dtype=variant.kv_cache_dtype,
+                             lm_head_quantization=variant.lm_head_quantization,
+                             **workload.engine_limits())  # fmt: skip
+            setup_s = time.perf_counter() - start
+            vocab = core.model_info.vocab_size
+            _engine_loop(core, warmup_requests(vocab))
+            requests = workload_requests(workload, vocab)
+            if profile:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
 
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                res = _engine_loop(core, requests)
                 torch.cuda.synchronize()
-            res["kernels"] = kernel_figures(_kernel_spans(prof))
-            res["launch_groups"] = _trace_launch_groups(prof)
-        else:
-            res = _engine_loop(core, requests)
-        memory = core.memory_profile
-        res["num_blocks"] = core.model_info.num_blocks
-        if memory is not None:
-            res["token_capacity"] = memory.memory.token_capacity
-            res["block_bytes"] = memory.memory.block_bytes
-            res["weights_gib"] = round(memory.memory.weights_bytes / 2**30, 3)
-    finally:
-        if core is not None:
-            core.shutdown()
-            del core
-        for module, attribute, value in reversed(before):
-            setattr(module, attribute, value)
-        free_memory()
+                with torch_profile(
+                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                ) as prof:
+                    res = _engine_loop(core, requests)
+                    torch.cuda.synchronize()
+                res["kernels"] = kernel_figures(_kernel_spans(prof))
+                res["launch_groups"] = _trace_launch_groups(prof)
+            else:
+                res = _engine_loop(core, requests)
+            memory = core.memory_profile
+            res["num_blocks"] = core.model_info.num_blocks
+            if memory is not None:
+                res["token_capacity"] = memory.memory.token_capacity
+                res["block_bytes"] = memory.memory.block_bytes
+                res["weights_gib"] = round(memory.memory.weights_bytes / 2**30, 3)
+        finally:
+            if core is not None:
+                core.shutdown()
+                del core
+            free_memory()
     res["setup_s"] = round(setup_s, 1)
     return res
 
@@ -1064,12 +1072,14 @@ def idle_figures(gaps: list[tuple[float, str, str]], longest: int = 5) -> dict[s
     class (`<5us`, `5-20us`, ... `>=1000us`: count and seconds), and the `longest` gaps with the
     kernels either side (80 characters of each name). Many short gaps point at launches the
     GPU waits on; few long ones at the host (scheduling, a step's inputs, a capture)."""
-    classes: dict[str, list[float]] = {}
     bounds = (0.0, *IDLE_BOUNDS_US, float("inf"))
-    for low, high in zip(bounds, bounds[1:], strict=False):
-        label = f"<{high:g}us" if low == 0 else f">={low:g}us" if high == float("inf") else (
-            f"{low:g}-{high:g}us"
-        )  # fmt: skip
+    labels = [f"<{IDLE_BOUNDS_US[0]:g}us"]
+    labels += [
+        f"{low:g}-{high:g}us" for low, high in zip(IDLE_BOUNDS_US, IDLE_BOUNDS_US[1:], strict=False)
+    ]
+    labels.append(f">={IDLE_BOUNDS_US[-1]:g}us")
+    classes: dict[str, list[float]] = {}
+    for label, low, high in zip(labels, bounds[:-1], bounds[1:], strict=True):
         inside = [g for g, _, _ in gaps if low <= g < high]
         classes[label] = [len(inside), round(sum(inside) / 1e6, 6)]
     ranked = sorted(gaps, key=lambda gap: -gap[0])[:longest]
