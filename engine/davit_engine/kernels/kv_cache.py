@@ -75,13 +75,41 @@ def store_token_kv(  # type: ignore[no-untyped-def]
     shared by `write_kv` and the rotary kernel that writes the cache itself, so both store the
     same bytes."""
     heads = tl.arange(0, BLOCK_H)[:, None]
+    store_rows_kv(
+        k, v, cache_ptr, slot, heads, heads < num_heads, scale_ptr, value_offset, num_heads,
+        PAGE, HEAD_DIM, BLOCK_D, FP8, ROTATE, DOT_PRECISION, h,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_rows_kv(  # type: ignore[no-untyped-def]
+    k,  # [ROWS, BLOCK_D] keys in the model dtype, a head a row
+    v,  # [ROWS, BLOCK_D] their values
+    cache_ptr,
+    slot,  # [ROWS, 1] int64: each row's token's flat slot (or a scalar for one token)
+    heads,  # [ROWS, 1]: each row's KV head
+    valid,  # [ROWS, 1]: the rows to store (a real head of a token with a slot)
+    scale_ptr,
+    value_offset,
+    num_heads,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    h,  # [BLOCK_D, BLOCK_D] the Hadamard tile in k's dtype where ROTATE (else unused)
+):
+    """Store rows of keys and values, each row one KV head of one token, in the cache's
+    layout (module docstring): `store_token_kv` for one token, the rotary kernel's token groups
+    for several. A row's bytes do not depend on the other rows (the rotation is a product of
+    the row with H), so one token stores the same bytes either way."""
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (dims < HEAD_DIM)
+    mask = valid & (dims < HEAD_DIM)
     if FP8:
-        head_valid = heads < num_heads
-        k_scale = tl.load(scale_ptr + heads, mask=head_valid, other=1.0)
-        v_scale = tl.load(scale_ptr + num_heads + heads, mask=head_valid, other=1.0)
-        if ROTATE:  # k @ H on the matrix units (BLOCK_H >= 16 rows; exact products)
+        k_scale = tl.load(scale_ptr + heads, mask=valid, other=1.0)
+        v_scale = tl.load(scale_ptr + num_heads + heads, mask=valid, other=1.0)
+        if ROTATE:  # k @ H on the matrix units (16 rows or more; exact products)
             k = tl.dot(k, h, input_precision=DOT_PRECISION)
         k = to_cache_e4m3(k, k_scale)
         v = to_cache_e4m3(v, v_scale)

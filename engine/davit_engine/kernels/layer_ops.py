@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.fp8 import hadamard_operand
-from davit_engine.kernels.kv_cache import head_tile_rows, store_token_kv
+from davit_engine.kernels.kv_cache import head_tile_rows, store_rows_kv, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
@@ -47,6 +48,24 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
+# Tokens a program of the rotary kernel takes where it rotates (an FP8 cache), all in one
+# product with the Hadamard tile: the group's heads are the rows of one `[tokens x heads, D]`
+# operand, so the 32 KB tile is read once a group and the matrix units take a taller product
+# instead of one token's 16 rows (or 8 keys padded to 16). 1: one token a program, as before;
+# N > 1: N tokens; 0: chosen per launch (`rotary_token_group`). One token a program reads the
+# tile 512 times at a decode step of 256 tokens and 16,384 times in a prefill chunk of 8,192
+# (W1's profile on an H100, bench notes run 30: 7.6 us a decode launch against 2.8 for a bf16
+# cache without the tile, 174 against 50 at prefill); run 30's several tokens a program in
+# turn (one product each) was slower. Each row's arithmetic is unchanged; on a GPU a taller
+# product may sum a row in another order, as another warp count does (`ROTARY_FP8_NUM_WARPS`).
+# A switch so that a benchmark can run the engine each way.
+ROTARY_TOKEN_GROUP = 1
+ROTARY_MAX_TOKEN_GROUP = 8
+# Warps a program of a token group (more tokens, more rows: compiled for sm_90 by Triton 3.6
+# at Qwen3-0.6B's heads with an FP8 cache, queries rotated, registers a thread: 2 tokens 164 at
+# 8 warps and 100 at 16, 4 tokens 229 and 128, 8 tokens 255 with spills at 8 warps and 128
+# with 120 bytes of stack at 16).
+ROTARY_GROUP_NUM_WARPS = 8
 _HADAMARD: dict[tuple[int, torch.dtype, str, int | None], torch.Tensor] = {}
 
 
@@ -300,6 +319,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     value_offset,
     num_q_heads,
     num_k_heads,
+    num_tokens,
     eps,
     HAS_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -314,8 +334,43 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     H_FROM_MEMORY: tl.constexpr,
     EARLY: tl.constexpr,
     SPLIT_QK: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_HQ: tl.constexpr,
+    GROUP_HK: tl.constexpr,
+    GROUP_ROWS_Q: tl.constexpr,
+    GROUP_ROWS_K: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    if GROUP > 1:
+        _qk_norm_rope_group(
+            q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, q_weight_ptr,
+            k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
+            num_tokens, eps, HAS_NORM, WRITE_KV, HALF, PAGE, FP8, ROTATE, ROTATE_Q,
+            DOT_PRECISION, H_FROM_MEMORY, SPLIT_QK, GROUP, GROUP_HQ, GROUP_HK, GROUP_ROWS_Q,
+            GROUP_ROWS_K, USE_GDC,
+        )  # fmt: skip
+    else:
+        _qk_norm_rope_token(
+            q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, q_weight_ptr,
+            k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
+            eps, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ, BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q,
+            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, USE_GDC,
+        )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, q_weight_ptr, k_weight_ptr,
+    cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads, eps,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
+    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr,
+    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    """One token a program (or two: SPLIT_QK)."""
     # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
     # the other (= 1); else one program does both.
     # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
@@ -414,6 +469,125 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
         _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
 
 
+@triton.jit
+def _group_rows(  # type: ignore[no-untyped-def]
+    first_token, num_tokens, num_heads, GROUP: tl.constexpr, HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """A token group's rows, `[ROWS, 1]` each: row r is head r % HEADS of token
+    `first_token + r // HEADS` (HEADS: the heads padded to a power of two); valid where that is
+    a real head of a real token of the group (ROWS may pad GROUP x HEADS up to a product's 16)."""
+    r = tl.arange(0, ROWS)[:, None]
+    tokens = first_token + r // HEADS
+    heads = r % HEADS
+    valid = (heads < num_heads) & (tokens < num_tokens) & (r < GROUP * HEADS)
+    return tokens.to(tl.int64), heads, valid
+
+
+@triton.jit
+def _norm_rope_rows(  # type: ignore[no-untyped-def]
+    x_ptr, weight_ptr, tokens, heads, valid, stride_t, stride_h, eps, cos_ptr, sin_ptr,
+    stride_rope, HAS_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """`_norm_rope_heads` for rows of several tokens: each row a head, normed (optionally) and
+    rotated with its own token's cos/sin row; fp32 values rounded to DTYPE, `[rows, HALF]`
+    halves (invalid rows zero)."""
+    dims = tl.arange(0, HALF)[None, :]
+    src = x_ptr + tokens * stride_t + heads * stride_h + dims
+    x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=valid, other=0.0).to(tl.float32)
+    row = tokens * stride_rope
+    c1 = _round(tl.load(cos_ptr + row + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
+    c2 = _round(tl.load(cos_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
+    s1 = _round(tl.load(sin_ptr + row + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
+    s2 = _round(tl.load(sin_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
+    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+
+
+@triton.jit
+def _store_rows(  # type: ignore[no-untyped-def]
+    dst_ptr, tokens, heads, valid, num_heads, out1, out2, HALF: tl.constexpr,
+):  # fmt: skip
+    """Store rows' halves as heads of `[T, num_heads, 2 * HALF]` contiguous tokens."""
+    dims = tl.arange(0, HALF)[None, :]
+    dst = dst_ptr + (tokens * num_heads + heads) * (2 * HALF) + dims
+    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=valid)
+    tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, q_weight_ptr, k_weight_ptr,
+    cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads, num_tokens, eps,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+    FP8: tl.constexpr, ROTATE: tl.constexpr, ROTATE_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr, SPLIT_QK: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_HQ: tl.constexpr, GROUP_HK: tl.constexpr,
+    GROUP_ROWS_Q: tl.constexpr, GROUP_ROWS_K: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    """GROUP tokens a program (`ROTARY_TOKEN_GROUP`), their heads the rows of one product with
+    the Hadamard tile: the queries' rows in one (SPLIT_QK: its own program), the keys' in
+    another, each row's arithmetic that of `_qk_norm_rope_token`. Only the tile is read before
+    the wait for the kernel before."""
+    dtype = q_out_ptr.dtype.element_ty
+    h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
+    gdc_enter(USE_GDC)
+    first_token = tl.program_id(0) * GROUP
+    first = tl.program_id(1) if SPLIT_QK else 0
+    last = first + 1 if SPLIT_QK else 2
+    full = tl.arange(0, 2 * HALF)[None, :]
+    if first == 0:
+        tokens, heads, valid = _group_rows(
+            first_token, num_tokens, num_q_heads, GROUP, GROUP_HQ, GROUP_ROWS_Q
+        )
+        q1, q2 = _norm_rope_rows(
+            q_ptr, q_weight_ptr, tokens, heads, valid, stride_qt, stride_qh, eps, cos_ptr,
+            sin_ptr, stride_rope, HAS_NORM, HALF, dtype,
+        )  # fmt: skip
+        if ROTATE_Q:  # q @ H, rounded to the model dtype
+            q = _join_halves(q1, q2, GROUP_ROWS_Q, HALF).to(dtype)
+            q = tl.dot(q, h, input_precision=DOT_PRECISION)
+            dst = q_out_ptr + (tokens * num_q_heads + heads) * (2 * HALF) + full
+            tl.store(dst, q.to(dtype), mask=valid)
+        else:
+            _store_rows(q_out_ptr, tokens, heads, valid, num_q_heads, q1, q2, HALF)
+    if last == 2:
+        tokens, heads, valid = _group_rows(
+            first_token, num_tokens, num_k_heads, GROUP, GROUP_HK, GROUP_ROWS_K
+        )
+        k1, k2 = _norm_rope_rows(
+            k_ptr, k_weight_ptr, tokens, heads, valid, stride_kt, stride_kh, eps, cos_ptr,
+            sin_ptr, stride_rope, HAS_NORM, HALF, dtype,
+        )  # fmt: skip
+        if WRITE_KV:  # straight into the paged cache at each token's slot (negative: padding)
+            slot = tl.load(slot_ptr + tokens, mask=valid, other=-1).to(tl.int64)
+            stored = valid & (slot >= 0)
+            v = tl.load(
+                v_ptr + tokens * stride_vt + heads * stride_vh + full, mask=stored, other=0.0
+            )
+            k = _join_halves(k1, k2, GROUP_ROWS_K, HALF).to(dtype)
+            store_rows_kv(
+                k, v, cache_ptr, slot, heads, stored, scale_ptr, value_offset, num_k_heads, PAGE,
+                2 * HALF, 2 * HALF, FP8, ROTATE, DOT_PRECISION, h,
+            )  # fmt: skip
+        else:
+            _store_rows(k_out_ptr, tokens, heads, valid, num_k_heads, k1, k2, HALF)
+
+
+def rotary_token_group(num_tokens: int, parts: int, device: torch.device) -> int:
+    """Tokens a program of a rotating launch takes (`ROTARY_TOKEN_GROUP`; 0: the largest power
+    of two up to `ROTARY_MAX_TOKEN_GROUP` that still launches a program per multiprocessor,
+    counting `parts` programs a group)."""
+    if ROTARY_TOKEN_GROUP:
+        return ROTARY_TOKEN_GROUP
+    wanted = multiprocessors(device)
+    group = 1
+    while group < ROTARY_MAX_TOKEN_GROUP and triton.cdiv(num_tokens, 2 * group) * parts >= wanted:
+        group *= 2
+    return group
+
+
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     k: torch.Tensor,  # [T, Hkv, D], last dim contiguous
@@ -430,7 +604,8 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half rotary: two programs per token
     (`ROTARY_SPLIT_QK`, the default: the queries in one, the keys, values and cache write in
-    the other), or one doing both in turn.
+    the other), or one doing both in turn; where it rotates, a program may take a group of
+    tokens instead of one (`ROTARY_TOKEN_GROUP`).
 
     Returns (q, k). With `kv_cache` (and `v`, `slot_mapping`) the rotated keys and the values go
     straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
@@ -470,7 +645,15 @@ def qk_norm_rope(
     h_matrix = None
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
-    _qk_norm_rope_kernel[(num_tokens, 2 if ROTARY_SPLIT_QK else 1)](
+    parts = 2 if ROTARY_SPLIT_QK else 1
+    group = rotary_token_group(num_tokens, parts, q.device) if rotates else 1
+    if group < 1 or group & (group - 1):
+        raise ValueError(
+            f"ROTARY_TOKEN_GROUP must be 0 (per launch) or a power of two (got {group})"
+        )
+    group_hq = triton.next_power_of_2(num_q_heads)
+    group_hk = triton.next_power_of_2(k.shape[1])
+    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, group), parts)](
         q,
         k,
         v if v is not None else k,
@@ -494,6 +677,7 @@ def qk_norm_rope(
         kv_cache[0].numel() if kv_cache is not None else 0,
         num_q_heads,
         k.shape[1],
+        num_tokens,
         eps,
         HAS_NORM=has_norm,
         WRITE_KV=write_kv,
@@ -508,7 +692,12 @@ def qk_norm_rope(
         H_FROM_MEMORY=h_matrix is not None,
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
         SPLIT_QK=ROTARY_SPLIT_QK,
-        num_warps=ROTARY_FP8_NUM_WARPS if rotates else 4,
+        GROUP=group,
+        GROUP_HQ=group_hq,
+        GROUP_HK=group_hk,
+        GROUP_ROWS_Q=max(group * group_hq, 16),
+        GROUP_ROWS_K=max(group * group_hk, 16),
+        num_warps=ROTARY_GROUP_NUM_WARPS if group > 1 else ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
     )

@@ -250,23 +250,39 @@ def _rotary_switch_case(
     if device.type != "cuda" or warps == default_warps:
         assert torch.equal(q_switched, q_default) and torch.equal(cache_switched, cache_default)
         return
+    _assert_within_summation_order(q_switched, q_default, cache_switched, cache_default)
+
+
+def _assert_within_summation_order(
+    q_switched: torch.Tensor,
+    q_default: torch.Tensor,
+    cache_switched: torch.Tensor | None = None,
+    cache_default: torch.Tensor | None = None,
+) -> None:
+    """Rotated queries and FP8 cache bytes (uint8 views; None: queries only) of two launches
+    that sum the Hadamard products in another order on the matrix units: equal but for last
+    places."""
     # A rotated query is a sum of a head's 128 products: where it nearly cancels, another
     # summation order moves it by several of its own last places, but by no more than about
     # one last place of the head's largest value. (H100, 256 tokens: 68 of 524,288 query
     # values differed, at most 4 of their own last places; no cache byte differed.)
     diff = (q_switched.float() - q_default.float()).abs()
     head_max = q_default.float().abs().amax(dim=-1, keepdim=True)
-    # e4m3 bytes of one sign are ordered like their values: one step apart is one code apart
-    byte_steps = (cache_switched.int() - cache_default.int()).abs()
     summary = (
         f"queries: {int((diff > 0).sum())} of {diff.numel()} differ, at most"
-        f" {float((diff / head_max).max()):.2e} of their head's largest; cache:"
-        f" {int((byte_steps > 0).sum())} of {byte_steps.numel()} bytes differ, at most"
-        f" {int(byte_steps.max())} steps"
+        f" {float((diff / head_max).max()):.2e} of their head's largest"
     )
+    if cache_switched is not None and cache_default is not None:
+        # e4m3 bytes of one sign are ordered like their values: one step apart is one code
+        byte_steps = (cache_switched.int() - cache_default.int()).abs()
+        summary += (
+            f"; cache: {int((byte_steps > 0).sum())} of {byte_steps.numel()} bytes differ, at"
+            f" most {int(byte_steps.max())} steps"
+        )
+        assert int(byte_steps.max()) <= 1, summary
+        assert float((byte_steps > 0).float().mean()) < 0.01, summary
     assert bool((diff <= head_max * 2**-7).all()), summary
     assert float((diff > 0).float().mean()) < 0.01, summary
-    assert int(byte_steps.max()) <= 1 and float((byte_steps > 0).float().mean()) < 0.01, summary
 
 
 # every launch other than the default one (tile made in registers or read from memory; 4 or 8
@@ -378,6 +394,112 @@ def test_rotary_equal_switches_real_shapes(
     _rotary_equal_switch_case(
         device, monkeypatch, torch.bfloat16, cache_dtype, (tokens, *heads, 128), switch
     )
+
+
+def _rotary_group_case(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None,
+    shape: tuple[int, int, int, int],
+    group: int,
+    split: bool,
+    warps: int = 8,
+) -> None:
+    """The rotary kernel where it rotates, one token a program against `group` tokens a
+    program (`ROTARY_TOKEN_GROUP`; 0: chosen per launch) at `warps` warps: the same rotated
+    queries, keys and cache bytes, under Triton's interpreter exactly, on a GPU but for the
+    matrix units' summation order (a taller product). `cache_dtype` None: keys returned."""
+    torch.manual_seed(14)
+    _, _, kv_heads, dim = shape
+    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
+    monkeypatch.setattr(layer_ops, "ROTARY_SPLIT_QK", split)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        if cache_dtype is None:
+            q_out, k_out = qk_norm_rope(
+                q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True
+            )
+            assert k_out is not None
+            return q_out, k_out
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
+        q_out, _ = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+        )  # fmt: skip
+        return q_out, cache.view(torch.uint8) if fp8 else cache
+
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 1)
+    one = run()
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", group)
+    monkeypatch.setattr(layer_ops, "ROTARY_GROUP_NUM_WARPS", warps)
+    grouped = run()
+    assert bool((one[1] != 0).any())
+    if device.type != "cuda":
+        assert all(torch.equal(a, b) for a, b in zip(one, grouped, strict=True))
+    elif fp8:
+        _assert_within_summation_order(grouped[0], one[0], grouped[1], one[1])
+    else:  # keys unrotated: exactly; the queries' products as for an FP8 cache
+        assert torch.equal(grouped[1], one[1])
+        _assert_within_summation_order(grouped[0], one[0])
+
+
+@pytest.mark.parametrize("group", [2, 8, 0])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("cache_dtype", [None, "model", torch.float8_e4m3fn], ids=str)
+def test_rotary_token_groups_store_the_same_bytes(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    cache_dtype: torch.dtype | str | None,
+    split: bool,
+    group: int,
+) -> None:
+    """Groups of 2 and 8 tokens (7 tokens: a last group short of full, a padding slot; 4 query
+    heads and 2 KV heads: rows padded up to the product's 16) and the per-launch choice."""
+    dtype = torch.float32
+    cache = dtype if cache_dtype == "model" else cache_dtype
+    assert cache is None or isinstance(cache, torch.dtype)
+    _rotary_group_case(device, monkeypatch, dtype, cache, (7, 4, 2, 16), group, split)
+
+
+def test_rotary_token_group_must_be_a_power_of_two(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cos, sin, q, k, _, weights, _, _, _ = _cache_write_case(device, torch.float32, (4, 4, 2, 16))
+    for bad in (3, -2):
+        monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", bad)
+        with pytest.raises(ValueError, match="ROTARY_TOKEN_GROUP"):
+            qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True)
+
+
+def test_rotary_token_group_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chosen per launch: the largest power of two (up to the maximum) that still gives every
+    multiprocessor a program, counting both parts of a token."""
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 0)
+    monkeypatch.setattr(layer_ops, "multiprocessors", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert layer_ops.rotary_token_group(1, 2, cpu) == 1  # W2's one token
+    assert layer_ops.rotary_token_group(256, 2, cpu) == 2  # a W1 decode step: 256 programs
+    assert layer_ops.rotary_token_group(256, 1, cpu) == 1
+    assert layer_ops.rotary_token_group(8192, 2, cpu) == layer_ops.ROTARY_MAX_TOKEN_GROUP
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 4)
+    assert layer_ops.rotary_token_group(1, 2, cpu) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("group", "warps"), [(2, 8), (4, 8), (2, 16), (4, 16), (0, 8)])
+@pytest.mark.parametrize("tokens", [256, 1000])
+def test_rotary_token_groups_real_shapes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int, group: int, warps: int
+) -> None:
+    """The same at W1's shapes on the GPU (Qwen3-0.6B heads, bf16, an FP8 cache): a decode
+    step of 256 tokens and a chunk of 1,000 (a last group short of full)."""
+    _rotary_group_case(
+        device, monkeypatch, torch.bfloat16, torch.float8_e4m3fn, (tokens, 16, 8, 128), group,
+        True, warps,
+    )  # fmt: skip
 
 
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(

@@ -37,6 +37,8 @@ Sections (each runs on its own; a failing one is reported and the next runs):
   `--rounds`): the prefill part of W1, prompt tokens per second;
 - `decode-tiles`: the FP8 cache's decode launch at W1's shape and four W1 steps in each tile of
   `--tile-configs` (W1 variants `fp8-kv-tile-{block}x{warps}x{stages}[-nocap]` run one);
+- `rotary`: the FP8 cache's rotary kernel at a W1 decode step, a W1 prefill chunk and W2's
+  token, one token a program and in token groups (`--rotary-configs`), beside the bf16 cache's;
 - `w1-trajectory`: decode attention at W1 steps with their real spread of contexts, bf16 and
   FP8, split as the engine does, FP8 at twice the engine's waves, balanced, and at the mean
   context;
@@ -629,6 +631,78 @@ def section_decode_tiles(args: argparse.Namespace) -> None:
         record("decode-tiles", **row)
 
 
+# The rotary kernel's launches the `rotary` section times: (label, tokens, query heads, KV
+# heads): a W1 decode step and prefill chunk (Qwen3-0.6B, q/k norms), W2's one token
+# (Llama-3.1-8B)
+ROTARY_CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8))
+# Token groups the `rotary` section times, GROUP/WARPS (`layer_ops.ROTARY_TOKEN_GROUP`, 0:
+# chosen per launch; `ROTARY_GROUP_NUM_WARPS`); the first is the engine's one token a program
+ROTARY_GROUP_CONFIGS = "1/8;2/8;4/8;2/16;4/16;8/16;0/8;0/16"
+
+
+def section_rotary(args: argparse.Namespace) -> None:
+    """The rotary kernel as the V2 runner launches it for an FP8 cache (norms, rotary, queries
+    times H, keys times H quantized into the cache with the values) at `ROTARY_CASES`, one
+    token a program against token groups (`--rotary-configs`), and the same launch for a bf16
+    cache (no rotation) beside it; each group's rotated queries and cache bytes compared with
+    the first configuration's."""
+    for label, tokens, hq, hkv in ROTARY_CASES:
+        record("rotary", **_rotary_row(label, tokens, hq, hkv, args.rotary_configs.split(";")))
+        torch.cuda.empty_cache()
+
+
+def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) -> dict[str, Any]:
+    from davit_engine.kernels import layer_ops
+    from davit_tools.bench.timing import graph_us
+
+    dim, page = 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(tokens, hq + 2 * hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    angles = torch.rand(tokens, dim // 2, device="cuda", generator=gen) * 6.28
+    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)
+    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)
+    weights = (1 + 0.1 * torch.randn(2, dim, device="cuda", generator=gen)).to(torch.bfloat16)
+    blocks = tokens // page + 4
+    slots = torch.randperm(blocks * page, device="cuda", generator=gen)[:tokens]
+    kv_scale = torch.full((2, hkv), 0.05, device="cuda")
+    caches = {
+        fp8: torch.zeros(2, blocks, page, hkv, dim, device="cuda").to(
+            torch.float8_e4m3fn if fp8 else torch.bfloat16
+        )
+        for fp8 in (False, True)
+    }
+
+    def launch(fp8: bool) -> torch.Tensor:
+        out, _ = layer_ops.qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=caches[fp8],
+            slot_mapping=slots, kv_scale=kv_scale if fp8 else None, rotate_queries=fp8,
+        )  # fmt: skip
+        return out
+
+    row: dict[str, Any] = {"case": label, "tokens": tokens, "heads": f"{hq}/{hkv}x{dim}"}
+    row["bf16_us"] = round(graph_us(lambda: launch(False), 20), 2)
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None
+    parts = 2 if layer_ops.ROTARY_SPLIT_QK else 1
+    for spec in configs:
+        group, warps = (int(part) for part in spec.split("/"))
+        module = "davit_engine.kernels.layer_ops"
+        with switched(
+            ((module, "ROTARY_TOKEN_GROUP", group), (module, "ROTARY_GROUP_NUM_WARPS", warps))
+        ):
+            key = f"g{group}w{warps}"
+            row[f"{key}_us"] = round(graph_us(lambda: launch(True), 20), 2)
+            row[f"{key}_group"] = layer_ops.rotary_token_group(tokens, parts, q.device)
+            caches[True].zero_()
+            out = launch(True).float()
+            cache = caches[True].view(torch.uint8).int()
+            if reference is None:
+                reference = (out, cache)
+            row[f"{key}_query_diffs"] = int((out != reference[0]).sum())
+            row[f"{key}_cache_diffs"] = int((cache != reference[1]).sum())
+    return row
+
+
 # W1 decode steps the trajectory section times (steps after the prompts: requests whose
 # output is longer are still running, each at its prompt plus the step's keys)
 W1_TRAJECTORY_STEPS = (50, 200, 350, 500, 650, 800, 950)
@@ -890,6 +964,34 @@ VARIANTS = {
     # stages, registers capped at 128; `-nocap`: uncapped), as the `decode-tiles` section
     # times them
     **_tile_variants(),
+    # the rotary kernel with token groups where it rotates: 2 or 4 tokens a program, or chosen
+    # per launch (`-auto`: up to 8, `-auto4`: up to 4), at 8 or 16 warps
+    # (layer_ops.ROTARY_TOKEN_GROUP, ROTARY_MAX_TOKEN_GROUP, ROTARY_GROUP_NUM_WARPS)
+    **{
+        f"{base}-rotary-group{suffix}": Variant(
+            f"{base}-rotary-group{suffix}",
+            quantization,
+            kv,
+            tuple(("davit_engine.kernels.layer_ops", name, value) for name, value in switches),
+        )
+        for base, quantization, kv in _BASES[1:]
+        for suffix, switches in (
+            ("2", (("ROTARY_TOKEN_GROUP", 2),)),
+            ("4", (("ROTARY_TOKEN_GROUP", 4),)),
+            ("2-16w", (("ROTARY_TOKEN_GROUP", 2), ("ROTARY_GROUP_NUM_WARPS", 16))),
+            ("4-16w", (("ROTARY_TOKEN_GROUP", 4), ("ROTARY_GROUP_NUM_WARPS", 16))),
+            ("-auto", (("ROTARY_TOKEN_GROUP", 0),)),
+            ("-auto-16w", (("ROTARY_TOKEN_GROUP", 0), ("ROTARY_GROUP_NUM_WARPS", 16))),
+            (
+                "-auto4-16w",
+                (
+                    ("ROTARY_TOKEN_GROUP", 0),
+                    ("ROTARY_MAX_TOKEN_GROUP", 4),
+                    ("ROTARY_GROUP_NUM_WARPS", 16),
+                ),
+            ),
+        )
+    },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
     # 2 x layers - 1 launches fewer a step)
@@ -1299,6 +1401,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "w1-profile": section_w1_profile,
     "w1-trajectory": section_w1_trajectory,
     "decode-tiles": section_decode_tiles,
+    "rotary": section_rotary,
     "w2-profile": section_w2_profile,
     "mlp-block": section_mlp_block,
     "memory": section_memory,
@@ -1353,6 +1456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile-configs", default=DECODE_TILE_CONFIGS,
                         help="decode-tiles: FP8 decode tiles BLOCK_N/WARPS/STAGES/REGISTER_CAP;... "
                              "(cap 0: none; the first is the engine's)")  # fmt: skip
+    parser.add_argument("--rotary-configs", default=ROTARY_GROUP_CONFIGS,
+                        help="rotary: token groups GROUP/WARPS;... (group 0: chosen per launch; "
+                             "the first is the reference)")  # fmt: skip
     parser.add_argument("--gemv-configs",
                         default="8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;16/1024/8/0;"
                                 "8/512/4/1",
