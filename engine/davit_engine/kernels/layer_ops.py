@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels import multiprocessors
 from davit_engine.kernels.fp8 import hadamard_operand
 from davit_engine.kernels.kv_cache import head_tile_rows, store_rows_kv, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
@@ -51,16 +50,19 @@ ROTARY_SPLIT_QK = True
 # Tokens a program of the rotary kernel takes where it rotates (an FP8 cache), all in one
 # product with the Hadamard tile: the group's heads are the rows of one `[tokens x heads, D]`
 # operand, so the 32 KB tile is read once a group and the matrix units take a taller product
-# instead of one token's 16 rows (or 8 keys padded to 16). 1: one token a program, as before;
-# N > 1: N tokens; 0: chosen per launch (`rotary_token_group`). One token a program reads the
-# tile 512 times at a decode step of 256 tokens and 16,384 times in a prefill chunk of 8,192
-# (W1's profile on an H100, bench notes run 30: 7.6 us a decode launch against 2.8 for a bf16
-# cache without the tile, 174 against 50 at prefill); run 30's several tokens a program in
-# turn (one product each) was slower. Each row's arithmetic is unchanged; on a GPU a taller
-# product may sum a row in another order, as another warp count does (`ROTARY_FP8_NUM_WARPS`).
-# A switch so that a benchmark can run the engine each way.
-ROTARY_TOKEN_GROUP = 1
-ROTARY_MAX_TOKEN_GROUP = 8
+# than one token's 16 rows (or 8 keys padded to 16). 0: chosen per launch (`rotary_token_group`:
+# `ROTARY_LARGE_LAUNCH_GROUP` tokens where a launch has `ROTARY_GROUP_MIN_TOKENS` or more, one
+# below); N: N tokens a program (a power of two). On an H100 (bench notes, run 31; Qwen3-0.6B
+# heads, bf16, q/k norms, in CUDA graphs) a prefill chunk of 8,192 tokens took 128.1 us at 2
+# tokens a program against 162.2 at one (50.2 for a bf16 cache, which does not rotate), and
+# slower at 4 or 8 (191.7, 185.6; 16 warps no better); a decode step of 256 tokens took 7.0 us
+# at 2 against 6.55 at one, so decode steps keep one token a program (W2's one token
+# included). Each row's arithmetic is that of one token a program; on a GPU a taller product
+# may sum a row's products in another order (a rotated query by about its head's last place).
+# Switches so that a benchmark can run the engine each way.
+ROTARY_TOKEN_GROUP = 0
+ROTARY_LARGE_LAUNCH_GROUP = 2
+ROTARY_GROUP_MIN_TOKENS = 1024
 # Warps a program of a token group (more tokens, more rows: compiled for sm_90 by Triton 3.6
 # at Qwen3-0.6B's heads with an FP8 cache, queries rotated, registers a thread: 2 tokens 164 at
 # 8 warps and 100 at 16, 4 tokens 229 and 128, 8 tokens 255 with spills at 8 warps and 128
@@ -575,17 +577,12 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
             _store_rows(k_out_ptr, tokens, heads, valid, num_k_heads, k1, k2, HALF)
 
 
-def rotary_token_group(num_tokens: int, parts: int, device: torch.device) -> int:
-    """Tokens a program of a rotating launch takes (`ROTARY_TOKEN_GROUP`; 0: the largest power
-    of two up to `ROTARY_MAX_TOKEN_GROUP` that still launches a program per multiprocessor,
-    counting `parts` programs a group)."""
+def rotary_token_group(num_tokens: int) -> int:
+    """Tokens a program of a rotating launch of `num_tokens` takes (`ROTARY_TOKEN_GROUP`; 0:
+    `ROTARY_LARGE_LAUNCH_GROUP` at `ROTARY_GROUP_MIN_TOKENS` tokens or more, else one)."""
     if ROTARY_TOKEN_GROUP:
         return ROTARY_TOKEN_GROUP
-    wanted = multiprocessors(device)
-    group = 1
-    while group < ROTARY_MAX_TOKEN_GROUP and triton.cdiv(num_tokens, 2 * group) * parts >= wanted:
-        group *= 2
-    return group
+    return ROTARY_LARGE_LAUNCH_GROUP if num_tokens >= ROTARY_GROUP_MIN_TOKENS else 1
 
 
 def qk_norm_rope(
@@ -646,10 +643,11 @@ def qk_norm_rope(
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
     parts = 2 if ROTARY_SPLIT_QK else 1
-    group = rotary_token_group(num_tokens, parts, q.device) if rotates else 1
+    group = rotary_token_group(num_tokens) if rotates else 1
     if group < 1 or group & (group - 1):
         raise ValueError(
-            f"ROTARY_TOKEN_GROUP must be 0 (per launch) or a power of two (got {group})"
+            "ROTARY_TOKEN_GROUP and ROTARY_LARGE_LAUNCH_GROUP must be powers of two"
+            f" (ROTARY_TOKEN_GROUP 0: chosen per launch; got {group})"
         )
     group_hq = triton.next_power_of_2(num_q_heads)
     group_hk = triton.next_power_of_2(k.shape[1])

@@ -273,13 +273,22 @@ def _assert_within_summation_order(
         f" {float((diff / head_max).max()):.2e} of their head's largest"
     )
     if cache_switched is not None and cache_default is not None:
-        # e4m3 bytes of one sign are ordered like their values: one step apart is one code
+        # e4m3 bytes of one sign are ordered like their values: one step apart is one code.
+        # Near zero e4m3's steps are far finer than a key row's largest value, so a key that
+        # nearly cancels may move by several codes there and still by less than that row's
+        # last place (H100, a chunk of 1,000 tokens in groups of 4: 3 of 2,129,920 bytes
+        # moved by up to 19 codes).
         byte_steps = (cache_switched.int() - cache_default.int()).abs()
+        values = [c.view(torch.float8_e4m3fn).float() for c in (cache_switched, cache_default)]
+        value_diff = (values[0] - values[1]).abs()
+        row_max = values[1].abs().amax(dim=-1, keepdim=True)
+        near = (byte_steps <= 1) | (value_diff <= row_max * 2**-7)
         summary += (
             f"; cache: {int((byte_steps > 0).sum())} of {byte_steps.numel()} bytes differ, at"
-            f" most {int(byte_steps.max())} steps"
+            f" most {int(byte_steps.max())} steps, at most"
+            f" {float((value_diff / row_max.clamp_min(1e-30)).max()):.2e} of their row's largest"
         )
-        assert int(byte_steps.max()) <= 1, summary
+        assert bool(near.all()), summary
         assert float((byte_steps > 0).float().mean()) < 0.01, summary
     assert bool((diff <= head_max * 2**-7).all()), summary
     assert float((diff > 0).float().mean()) < 0.01, summary
@@ -435,6 +444,8 @@ def _rotary_group_case(
     one = run()
     monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", group)
     monkeypatch.setattr(layer_ops, "ROTARY_GROUP_NUM_WARPS", warps)
+    if group == 0:  # chosen per launch: a group at this launch's tokens
+        monkeypatch.setattr(layer_ops, "ROTARY_GROUP_MIN_TOKENS", shape[0])
     grouped = run()
     assert bool((one[1] != 0).any())
     if device.type != "cuda":
@@ -472,20 +483,26 @@ def test_rotary_token_group_must_be_a_power_of_two(
         monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", bad)
         with pytest.raises(ValueError, match="ROTARY_TOKEN_GROUP"):
             qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True)
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 0)
+    monkeypatch.setattr(layer_ops, "ROTARY_GROUP_MIN_TOKENS", 1)
+    monkeypatch.setattr(layer_ops, "ROTARY_LARGE_LAUNCH_GROUP", 6)
+    with pytest.raises(ValueError, match="ROTARY_LARGE_LAUNCH_GROUP"):
+        qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True)
 
 
 def test_rotary_token_group_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chosen per launch: the largest power of two (up to the maximum) that still gives every
-    multiprocessor a program, counting both parts of a token."""
+    """Chosen per launch (the default): a group at prefill-sized launches, one token a
+    program at decode steps; a fixed group everywhere."""
     monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 0)
-    monkeypatch.setattr(layer_ops, "multiprocessors", lambda device: 132)
-    cpu = torch.device("cpu")
-    assert layer_ops.rotary_token_group(1, 2, cpu) == 1  # W2's one token
-    assert layer_ops.rotary_token_group(256, 2, cpu) == 2  # a W1 decode step: 256 programs
-    assert layer_ops.rotary_token_group(256, 1, cpu) == 1
-    assert layer_ops.rotary_token_group(8192, 2, cpu) == layer_ops.ROTARY_MAX_TOKEN_GROUP
+    large = layer_ops.ROTARY_LARGE_LAUNCH_GROUP
+    assert large > 1
+    assert layer_ops.rotary_token_group(1) == 1  # W2's one token
+    assert layer_ops.rotary_token_group(256) == 1  # a W1 decode step
+    assert layer_ops.rotary_token_group(layer_ops.ROTARY_GROUP_MIN_TOKENS - 1) == 1
+    assert layer_ops.rotary_token_group(layer_ops.ROTARY_GROUP_MIN_TOKENS) == large
+    assert layer_ops.rotary_token_group(8192) == large  # a W1 prefill chunk
     monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 4)
-    assert layer_ops.rotary_token_group(1, 2, cpu) == 4
+    assert layer_ops.rotary_token_group(1) == 4
 
 
 @pytest.mark.gpu

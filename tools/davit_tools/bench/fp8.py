@@ -636,8 +636,9 @@ def section_decode_tiles(args: argparse.Namespace) -> None:
 # (Llama-3.1-8B)
 ROTARY_CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8))
 # Token groups the `rotary` section times, GROUP/WARPS (`layer_ops.ROTARY_TOKEN_GROUP`, 0:
-# chosen per launch; `ROTARY_GROUP_NUM_WARPS`); the first is the engine's one token a program
-ROTARY_GROUP_CONFIGS = "1/8;2/8;4/8;2/16;4/16;8/16;0/8;0/16"
+# chosen per launch, the engine's; `ROTARY_GROUP_NUM_WARPS`); the first, one token a program,
+# is the reference the others' numbers are compared with
+ROTARY_GROUP_CONFIGS = "1/8;0/8;2/8;4/8;2/16;4/16;8/16"
 
 
 def section_rotary(args: argparse.Namespace) -> None:
@@ -683,7 +684,6 @@ def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) 
     row: dict[str, Any] = {"case": label, "tokens": tokens, "heads": f"{hq}/{hkv}x{dim}"}
     row["bf16_us"] = round(graph_us(lambda: launch(False), 20), 2)
     reference: tuple[torch.Tensor, torch.Tensor] | None = None
-    parts = 2 if layer_ops.ROTARY_SPLIT_QK else 1
     for spec in configs:
         group, warps = (int(part) for part in spec.split("/"))
         module = "davit_engine.kernels.layer_ops"
@@ -692,7 +692,7 @@ def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) 
         ):
             key = f"g{group}w{warps}"
             row[f"{key}_us"] = round(graph_us(lambda: launch(True), 20), 2)
-            row[f"{key}_group"] = layer_ops.rotary_token_group(tokens, parts, q.device)
+            row[f"{key}_group"] = layer_ops.rotary_token_group(tokens)
             caches[True].zero_()
             out = launch(True).float()
             cache = caches[True].view(torch.uint8).int()
@@ -964,9 +964,9 @@ VARIANTS = {
     # stages, registers capped at 128; `-nocap`: uncapped), as the `decode-tiles` section
     # times them
     **_tile_variants(),
-    # the rotary kernel with token groups where it rotates: 2 or 4 tokens a program, or chosen
-    # per launch (`-auto`: up to 8, `-auto4`: up to 4), at 8 or 16 warps
-    # (layer_ops.ROTARY_TOKEN_GROUP, ROTARY_MAX_TOKEN_GROUP, ROTARY_GROUP_NUM_WARPS)
+    # the rotary kernel where it rotates with one token a program everywhere (`-one-token`),
+    # or 2 or 4 tokens a program everywhere, at 8 or 16 warps (the engine's: 2 at prefill
+    # launches, one at decode; layer_ops.ROTARY_TOKEN_GROUP, ROTARY_GROUP_NUM_WARPS)
     **{
         f"{base}-rotary-group{suffix}": Variant(
             f"{base}-rotary-group{suffix}",
@@ -976,20 +976,11 @@ VARIANTS = {
         )
         for base, quantization, kv in _BASES[1:]
         for suffix, switches in (
+            ("-one-token", (("ROTARY_TOKEN_GROUP", 1),)),
             ("2", (("ROTARY_TOKEN_GROUP", 2),)),
             ("4", (("ROTARY_TOKEN_GROUP", 4),)),
             ("2-16w", (("ROTARY_TOKEN_GROUP", 2), ("ROTARY_GROUP_NUM_WARPS", 16))),
             ("4-16w", (("ROTARY_TOKEN_GROUP", 4), ("ROTARY_GROUP_NUM_WARPS", 16))),
-            ("-auto", (("ROTARY_TOKEN_GROUP", 0),)),
-            ("-auto-16w", (("ROTARY_TOKEN_GROUP", 0), ("ROTARY_GROUP_NUM_WARPS", 16))),
-            (
-                "-auto4-16w",
-                (
-                    ("ROTARY_TOKEN_GROUP", 0),
-                    ("ROTARY_MAX_TOKEN_GROUP", 4),
-                    ("ROTARY_GROUP_NUM_WARPS", 16),
-                ),
-            ),
         )
     },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
