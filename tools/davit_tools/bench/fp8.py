@@ -882,6 +882,11 @@ VARIANTS = {
     **_attention_variants("splits-528", "SPLIT_WAVES", {"model": 1.0, "fp8": 0.5}),
     **_attention_variants("splits-1056", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.0}),
     **_attention_variants("splits-2112", "SPLIT_WAVES", {"model": 4.0, "fp8": 2.0}),
+    # the FP8 tile's target just under two waves (2,006 or 1,584 programs on 132
+    # multiprocessors): a full W1 batch (256 requests x 8 KV heads, 2,048 programs) unsplit,
+    # without the merge, where two waves split it in two
+    **_attention_variants("splits-fp8-1.9w", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.9}),
+    **_attention_variants("splits-fp8-1.5w", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.5}),
     **_attention_variants("balanced", "BALANCE_SPLITS", True),
     **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
     # the FP8 cache's rotary kernel at 4 warps per program (the default is 8), with the
