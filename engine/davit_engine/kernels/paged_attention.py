@@ -148,7 +148,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     Q_ROTATED: tl.constexpr,
     F16_DOT: tl.constexpr,
     EARLY: tl.constexpr,
-    KV_EARLY: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # EARLY: the step's metadata (query offsets, lengths, block tables) and the scales are read
@@ -191,28 +190,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             next_runs = _fp8_value_runs(table_row, tile_begin, kv_end, BLOCK_N, PAGE)
         else:
             next_runs = next_block
-        if KV_EARLY:  # and the first tile's keys and values where all were cached before
-            # this step: the kernel before writes this step's keys only (pdl.py)
-            pre = (tile_begin < tile_end) & ((tile_begin + 1) * BLOCK_N <= ctx_len)
-            pre_end = tl.where(pre, kv_end, 0)  # (a scalar mask term: none if not pre)
-            pre_keys = tile_begin * BLOCK_N + tl.arange(0, BLOCK_N)
-            pre_valid = (pre_keys < pre_end) & (next_block >= 0)
-            pre_dims = tl.arange(0, BLOCK_D)
-            pre_offs = (
-                next_block.to(tl.int64) * stride_cache_block
-                + (pre_keys % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-                + kv_head * HEAD_DIM
-            )
-            k_pre = tl.load(
-                k_cache_ptr + pre_offs[None, :] + pre_dims[:, None],
-                mask=pre_valid[None, :] & (pre_dims < HEAD_DIM)[:, None],
-                other=0.0,
-            )
-            v_pre = _values_tile(
-                v_cache_ptr, pre_offs, pre_valid, table_row, tile_begin,
-                pre_end, kv_head, pre_dims, pre_dims < HEAD_DIM,
-                stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8, next_runs, EARLY,
-            )  # fmt: skip
         gdc_enter(USE_GDC)
     if q_tile * BLOCK_Q < q_len:
         rows = tl.arange(0, BLOCK_M)
@@ -267,33 +244,17 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                 + kv_head * HEAD_DIM
             )
             # k: [BLOCK_D, BLOCK_N] (transposed), v: [BLOCK_N, BLOCK_D]
-            if KV_EARLY and EARLY:  # the first tile loaded before the wait where it could be
-                if pre & (tile == tile_begin):
-                    k = k_pre
-                    v = v_pre
-                else:
-                    k = tl.load(
-                        k_cache_ptr + kv_offs[None, :] + dims[:, None],
-                        mask=key_valid[None, :] & dim_valid[:, None],
-                        other=0.0,
-                    )
-                    v = _values_tile(
-                        v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
-                        dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
-                        runs_block, EARLY,
-                    )  # fmt: skip
-            else:
-                k = tl.load(
-                    k_cache_ptr + kv_offs[None, :] + dims[:, None],
-                    mask=key_valid[None, :] & dim_valid[:, None],
-                    other=0.0,
-                )
-                if EARLY_V:  # latency-bound (few tiles per program): both loads in flight
-                    v = _values_tile(
-                        v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
-                        dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
-                        runs_block, EARLY,
-                    )  # fmt: skip
+            k = tl.load(
+                k_cache_ptr + kv_offs[None, :] + dims[:, None],
+                mask=key_valid[None, :] & dim_valid[:, None],
+                other=0.0,
+            )
+            if EARLY_V:  # latency-bound (few tiles per program): both loads in flight at once
+                v = _values_tile(
+                    v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
+                    dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
+                    runs_block, EARLY,
+                )  # fmt: skip
             if FP8:  # e4m3 widens exactly to fp16 (and on to fp32)
                 k = k.to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -304,7 +265,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             p = tl.exp2(qk - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not EARLY_V and not (KV_EARLY and EARLY):
+            if not EARLY_V:
                 v = _values_tile(
                     v_cache_ptr, kv_offs, key_valid, table_row, tile, kv_end, kv_head, dims,
                     dim_valid, stride_cache_block, BLOCK_N, BLOCK_D, PAGE, HEAD_DIM, FP8,
@@ -467,15 +428,6 @@ SPLIT_PAST_FULL_WAVE = False
 # +0.7% (medians of two; the same tokens); its attention kernel took 10.0 us a launch in W2's
 # profile against 12.9. A switch so that a benchmark can run the engine each way.
 LOADS_BEFORE_WAIT = True
-# Whether a decode split in many short ranges (W2's one request: 16 splits of about 72 keys)
-# also reads its first key tile's keys and values before that wait, where every key of the
-# tile was cached before this step (the kernel before writes this step's keys and values
-# only; pdl.py), so that after the wait the program's first loads are its queries alone. The
-# tiles held across the wait cost registers: compiled for sm_90 at W2's shape over an FP8 cache
-# (Triton 3.9's ptxas here), 4 warps 255 registers and 864 bytes of stack against 176 without,
-# 8 warps (`SHORT_SPLIT_NUM_WARPS`) 255 and 24 against 214 and none. Off until timed; a switch
-# so that a benchmark can run the engine each way.
-KV_BEFORE_WAIT = False
 # Whether split decodes of several requests balance their keys (`paged_attention`'s
 # `split_programs`): every split owns the same run of key tiles, the step's tiles over
 # `BALANCED_WAVES` waves of programs, so a long request takes more splits than a short one and
@@ -686,7 +638,6 @@ def paged_attention(
         Q_ROTATED=queries_rotated,
         F16_DOT=fp8 and q.dtype != torch.float32,
         EARLY=LOADS_BEFORE_WAIT,
-        KV_EARLY=KV_BEFORE_WAIT and is_decode and num_splits > _PIPELINED_MAX_SPLITS,
         num_warps=num_warps,
         num_stages=num_stages,
         **limits,

@@ -483,61 +483,20 @@ def test_loads_before_the_wait_with_balanced_splits(
     ))  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "q_lens,seq_lens",
-    [([1], [300]), ([1, 1, 1], [300, 129, 7]), ([1, 1, 9], [300, 129, 200]), ([1], [64])],
-)
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("num_splits", [12, 64])
-def test_keys_before_the_wait_change_nothing(
-    device: torch.device,
-    monkeypatch: pytest.MonkeyPatch,
-    q_lens: list[int],
-    seq_lens: list[int],
-    fp8: bool,
-    num_splits: int,
-) -> None:
-    """A decode split in many short ranges with its first key tile's keys and values read
-    before the wait where all were cached before the step (`KV_BEFORE_WAIT`): the same result
-    bit for bit, for splits whose first tile holds the new token (64 keys: one 32-key tile
-    after the first), splits without tiles (64), and a mixed batch (which does not take it)."""
-    from davit_engine.kernels import paged_attention as pa
-
-    torch.manual_seed(sum(seq_lens) + num_splits + fp8 + 7)
-    q, cache, tables, lens, qsl, kv_scale = _float32_batch(device, q_lens, seq_lens, fp8)
-
-    def run() -> torch.Tensor:
-        return paged_attention(
-            q, cache, tables, lens, qsl, max(q_lens), 0.25, num_splits, kv_scale=kv_scale
-        )
-
-    monkeypatch.setattr(pa, "KV_BEFORE_WAIT", False)
-    before = run()
-    monkeypatch.setattr(pa, "KV_BEFORE_WAIT", True)
-    after = run()
-    assert not before.isnan().any()
-    assert torch.equal(before, after)
-    ref = paged_attention_reference(q, cache, tables, lens, qsl, 0.25, kv_scale)
-    assert _rel_err(after, ref) < 1e-5
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize(
-    ("requests", "num_splits", "kv_early"),
-    [(1, 16, False), (1, 16, True), (64, 2, False), (64, 1, False), (8, 16, True)],
-)
+@pytest.mark.parametrize(("requests", "num_splits"), [(1, 16), (64, 2), (64, 1)])
 def test_loads_before_the_wait_real_shapes_in_a_graph(
     device: torch.device, monkeypatch: pytest.MonkeyPatch, fp8: bool, requests: int,
-    num_splits: int, kv_early: bool,
+    num_splits: int,
 ) -> None:  # fmt: skip
     """A decode step's rotary kernel (the new token's keys and values into the cache, the
     queries rotated for an FP8 cache) then attention, as the V2 runner launches them: W2's one
     request of 1,152 keys in 16 splits, and 64 requests of up to 2,000 keys; bf16 or FP8.
     Captured in a graph with both kernels' loads before the wait (programmatic dependent
     launch: attention's early loads overlap the rotary kernel that writes its queries and
-    keys; `kv_early`: and the first key tile of each short split, `KV_BEFORE_WAIT`), three
-    steps in a row: each the eager launch's result without early loads, bit for bit."""
+    keys), three steps in a row: each the eager launch's result without early loads, bit for
+    bit."""
     from davit_engine.kernels import layer_ops
     from davit_engine.kernels import paged_attention as pa
 
@@ -576,14 +535,12 @@ def test_loads_before_the_wait_real_shapes_in_a_graph(
 
     monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", False)
     monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", False)
-    monkeypatch.setattr(pa, "KV_BEFORE_WAIT", False)
     expected = []
     for values in steps:  # eager, no early loads
         qkv.copy_(values)
         expected.append(step().clone())
     monkeypatch.setattr(pa, "LOADS_BEFORE_WAIT", True)
     monkeypatch.setattr(layer_ops, "ROTARY_LOADS_BEFORE_WAIT", True)
-    monkeypatch.setattr(pa, "KV_BEFORE_WAIT", kv_early)
     cache.copy_(start)
     qkv.copy_(steps[0])
     step()  # compile outside the capture

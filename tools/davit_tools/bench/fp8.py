@@ -1000,9 +1000,6 @@ VARIANTS = {
     # decodes split in many short ranges (W2's) at 8 warps a program instead of 4
     # (paged_attention.SHORT_SPLIT_NUM_WARPS)
     **_attention_variants("split-8w", "SHORT_SPLIT_NUM_WARPS", 8),
-    # and each short split's first key tile read before the wait for the kernel before
-    # (paged_attention.KV_BEFORE_WAIT; `*-kv-early+*-split-8w` at 8 warps)
-    **_attention_variants("kv-early", "KV_BEFORE_WAIT", True),
     # the plain one-row products with their first tile of W loaded before the wait for the
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
