@@ -519,6 +519,95 @@ def test_rotary_token_groups_real_shapes(
     )  # fmt: skip
 
 
+def _rotary_butterfly_case(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None,
+    shape: tuple[int, int, int, int],
+    warps: int = 8,
+) -> None:
+    """The rotary kernel where it rotates, the Hadamard products as a butterfly
+    (`ROTARY_HADAMARD_BUTTERFLY`, at `warps` warps) against the product with the tile: the
+    same rotated queries, keys and cache bytes but for float32's summation order."""
+    torch.manual_seed(15)
+    _, _, kv_heads, dim = shape
+    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
+    monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 1)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        if cache_dtype is None:
+            q_out, k_out = qk_norm_rope(
+                q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True
+            )
+            assert k_out is not None
+            return q_out, k_out
+        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
+        q_out, _ = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+        )  # fmt: skip
+        return q_out, cache.view(torch.uint8) if fp8 else cache
+
+    tile = run()
+    monkeypatch.setattr(layer_ops, "ROTARY_HADAMARD_BUTTERFLY", True)
+    monkeypatch.setattr(layer_ops, "ROTARY_FP8_NUM_WARPS", warps)
+    monkeypatch.setattr(layer_ops, "_HADAMARD", {})
+    butterfly = run()
+    assert not layer_ops._HADAMARD  # no tile of H made
+    assert bool((tile[1] != 0).any())
+    if fp8:
+        _assert_within_summation_order(butterfly[0], tile[0], butterfly[1], tile[1])
+    else:  # keys unrotated (returned, or a model-dtype cache): exactly
+        assert torch.equal(butterfly[1], tile[1])
+        _assert_within_summation_order(butterfly[0], tile[0])
+
+
+@pytest.mark.parametrize("dim", [16, 128])
+@pytest.mark.parametrize("cache_dtype", [None, "model", torch.float8_e4m3fn], ids=str)
+def test_rotary_hadamard_butterfly(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    cache_dtype: torch.dtype | str | None,
+    dim: int,
+) -> None:
+    """Head dims of 16 (H_2 x H_2 x H_4) and 128 (H_2 x H_8 x H_8), float16 activations (in
+    float32 the other summation order shows in most values' last place)."""
+    dtype = torch.float16
+    cache = dtype if cache_dtype == "model" else cache_dtype
+    assert cache is None or isinstance(cache, torch.dtype)
+    _rotary_butterfly_case(device, monkeypatch, dtype, cache, (5, 4, 2, dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [8, 4])
+@pytest.mark.parametrize("shape", [(256, 16, 8, 128), (1, 32, 8, 128)], ids=["w1", "w2"])
+def test_rotary_hadamard_butterfly_real_shapes(
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int, int, int],
+    warps: int,
+) -> None:
+    """The same at a W1 decode step and W2's token on the GPU (bf16, an FP8 cache)."""
+    _rotary_butterfly_case(device, monkeypatch, torch.bfloat16, torch.float8_e4m3fn, shape, warps)
+
+
+def test_hadamard_factors() -> None:
+    from davit_engine.kernels.fp8 import hadamard_factors
+
+    assert hadamard_factors(64) == (8, 8)
+    assert hadamard_factors(8) == (2, 4)
+    assert hadamard_factors(128) == (8, 16)
+    for half in (4, 8, 16, 32, 64, 128):
+        a, b = hadamard_factors(half)
+        assert a * b == half and a <= b
+    for bad in (2, 3, 48):
+        with pytest.raises(ValueError, match="Hadamard factors"):
+            hadamard_factors(bad)
+
+
 def test_qk_norm_rope_refuses_to_rotate_a_head_dim_without_a_rotation(
     device: torch.device,
 ) -> None:
