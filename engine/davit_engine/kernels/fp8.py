@@ -64,35 +64,6 @@ def hadamard_tile(DIM: tl.constexpr, DTYPE: tl.constexpr):  # type: ignore[no-un
 
 
 @triton.jit
-def hadamard_rows_halves(  # type: ignore[no-untyped-def]
-    x1, x2, ROWS: tl.constexpr, HALF: tl.constexpr, A: tl.constexpr, B: tl.constexpr
-):  # fmt: skip
-    """`x @ H` for rows given as their halves (float32 `[ROWS, HALF]` each), H the
-    Sylvester-Hadamard matrix of `2 * HALF` (unnormalised), without the matrix units or a tile
-    of H: H is `H_2 (x) H_A (x) H_B` with `HALF = A * B` (`hadamard_factors`), so each row's
-    half is an `[A, B]` matrix multiplied by `H_B` on the right, then the halves' sum and
-    difference by `H_A` on the left: broadcast products of a few elements a thread, in
-    float32. Returns the halves of `x @ H`. The sums run in another order than a matrix-unit
-    product's, so a result may differ from `tl.dot(x, H)` in float32's last place."""
-    hb = hadamard_tile(B, tl.float32)
-    ha = hadamard_tile(A, tl.float32)
-    y1 = tl.sum(tl.reshape(x1, [ROWS, A, B])[:, :, :, None] * hb[None, None, :, :], 2)
-    y2 = tl.sum(tl.reshape(x2, [ROWS, A, B])[:, :, :, None] * hb[None, None, :, :], 2)
-    z1 = tl.sum(ha[None, :, :, None] * (y1 + y2)[:, None, :, :], 2)
-    z2 = tl.sum(ha[None, :, :, None] * (y1 - y2)[:, None, :, :], 2)
-    return tl.reshape(z1, [ROWS, HALF]), tl.reshape(z2, [ROWS, HALF])
-
-
-def hadamard_factors(half: int) -> tuple[int, int]:
-    """`(A, B)` for `hadamard_rows_halves` at a half head of `half` (a power of two, at least
-    4): the two closest powers of two whose product is `half`, B the larger."""
-    if half < 4 or half & (half - 1):
-        raise ValueError(f"a half head of {half} has no Hadamard factors (a power of two >= 4)")
-    b = 1 << (half.bit_length() // 2)
-    return half // b, b
-
-
-@triton.jit
 def hadamard_operand(h_ptr, DIM: tl.constexpr, DTYPE: tl.constexpr, FROM_MEMORY: tl.constexpr):  # type: ignore[no-untyped-def]
     """The DIM x DIM Hadamard tile as a product operand: loaded from `h_ptr` (a contiguous
     DIM x DIM matrix in DTYPE, `layers.fp8.hadamard`) with FROM_MEMORY, else made in registers

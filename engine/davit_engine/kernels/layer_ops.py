@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from davit_engine.kernels.fp8 import hadamard_factors, hadamard_operand, hadamard_rows_halves
+from davit_engine.kernels.fp8 import hadamard_operand
 from davit_engine.kernels.kv_cache import head_tile_rows, store_rows_kv, store_token_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
@@ -47,14 +47,6 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
-# Whether the rotary kernel multiplies by the Hadamard matrix as a butterfly of small
-# broadcast products (`kernels.fp8.hadamard_rows_halves`: H_2 x H_A x H_B, float32, no tile of
-# H and no matrix units) instead of a product with the 128 x 128 tile, where it takes one
-# token a program (decode steps; token groups keep the tile). A decode launch of 256 tokens is
-# 4 waves of one program a multiprocessor at 138 registers (run 31 on an H100: 6.55 us against
-# 2.03 for a bf16 cache that does not rotate). The sums run in another order (float32's last
-# place). Off until timed; a switch so that a benchmark can run the engine each way.
-ROTARY_HADAMARD_BUTTERFLY = False
 # Tokens a program of the rotary kernel takes where it rotates (an FP8 cache), all in one
 # product with the Hadamard tile: the group's heads are the rows of one `[tokens x heads, D]`
 # operand, so the 32 KB tile is read once a group and the matrix units take a taller product
@@ -344,9 +336,6 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     H_FROM_MEMORY: tl.constexpr,
     EARLY: tl.constexpr,
     SPLIT_QK: tl.constexpr,
-    BUTTERFLY: tl.constexpr,
-    HA: tl.constexpr,
-    HB: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_HQ: tl.constexpr,
     GROUP_HK: tl.constexpr,
@@ -369,7 +358,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
             k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
             eps, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ, BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q,
-            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, BUTTERFLY, HA, HB, USE_GDC,
+            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, USE_GDC,
         )  # fmt: skip
 
 
@@ -381,8 +370,7 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
     ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr,
-    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, BUTTERFLY: tl.constexpr, HA: tl.constexpr,
-    HB: tl.constexpr, USE_GDC: tl.constexpr,
+    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """One token a program (or two: SPLIT_QK)."""
     # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
@@ -402,11 +390,7 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     s2 = _round(tl.load(sin_ptr + row + HALF + dims).to(tl.float32), dtype)
     slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
-    h = (
-        hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY)
-        if (ROTATE or ROTATE_Q) and not BUTTERFLY
-        else 0
-    )
+    h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     if EARLY:
         gdc_enter(USE_GDC)
     # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
@@ -418,14 +402,13 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
         _rope_queries(
             q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
             c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
-            BUTTERFLY, HA, HB,
         )  # fmt: skip
     if last == 2:
         _rope_keys_values(
             k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, scale_ptr, token, slot,
             stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
             c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
-            DOT_PRECISION, dtype, BUTTERFLY, HA, HB,
+            DOT_PRECISION, dtype,
         )  # fmt: skip
 
 
@@ -434,22 +417,16 @@ def _rope_queries(  # type: ignore[no-untyped-def]
     q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
     c1, c2, s1, s2, h, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
-    BUTTERFLY: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
-    """The token's queries: normed (HAS_NORM), rotary, and (ROTATE_Q) times H (BUTTERFLY:
-    `hadamard_rows_halves`, else a product with the tile `h`)."""
+    """The token's queries: normed (HAS_NORM), rotary, and (ROTATE_Q) times H."""
     q1, q2 = _norm_rope_heads(
         q_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HQ, dtype,
     )  # fmt: skip
     q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF
     if ROTATE_Q:  # q @ H, rounded to the model dtype: what attention would otherwise compute
-        if BUTTERFLY:
-            z1, z2 = hadamard_rows_halves(q1, q2, BLOCK_HQ, HALF, HA, HB)
-            q = _join_halves(z1, z2, BLOCK_HQ, HALF)
-        else:
-            q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
-            q = tl.dot(q, h, input_precision=DOT_PRECISION)
+        q = _join_halves(q1, q2, BLOCK_HQ, HALF).to(dtype)
+        q = tl.dot(q, h, input_precision=DOT_PRECISION)
         q_heads = tl.arange(0, BLOCK_HQ)[:, None]
         q_dims = tl.arange(0, 2 * HALF)[None, :]
         tl.store(q_dst + q_heads * 2 * HALF + q_dims, q.to(dtype), mask=q_heads < num_q_heads)
@@ -463,12 +440,10 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
     stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
     c1, c2, s1, s2, h, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, dtype: tl.constexpr, BUTTERFLY: tl.constexpr,
-    HA: tl.constexpr, HB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
 ):  # fmt: skip
     """The token's keys: normed (HAS_NORM) and rotary, then with its values into the paged
-    cache at `slot` (WRITE_KV; negative: padding, skipped), or returned. An FP8 cache's keys
-    are rotated by the butterfly here (BUTTERFLY), else by the store's product with `h`."""
+    cache at `slot` (WRITE_KV; negative: padding, skipped), or returned."""
     k1, k2 = _norm_rope_heads(
         k_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
@@ -480,14 +455,7 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
             full = tl.arange(0, 2 * HALF)[None, :]
             v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
             v = tl.load(v_src, mask=heads < num_k_heads, other=0.0)
-            if FP8 and ROTATE and BUTTERFLY:  # rotated here, quantized by the store
-                z1, z2 = hadamard_rows_halves(k1, k2, BLOCK_HK, HALF, HA, HB)
-                store_token_kv(
-                    _join_halves(z1, z2, BLOCK_HK, HALF), v, cache_ptr, slot, scale_ptr,
-                    value_offset, num_k_heads, PAGE, 2 * HALF, BLOCK_HK, 2 * HALF, True, False,
-                    DOT_PRECISION, h,
-                )  # fmt: skip
-            elif FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
+            if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
                 k = _join_halves(k1, k2, BLOCK_HK, HALF)
                 store_token_kv(
                     k.to(dtype), v, cache_ptr, slot, scale_ptr, value_offset, num_k_heads, PAGE,
@@ -671,12 +639,11 @@ def qk_norm_rope(
     rotate = fp8 and rotates_keys(dim)
     has_norm = q_weight is not None and k_weight is not None
     rotates = rotate or rotate_queries  # the launch takes the Hadamard tile
+    h_matrix = None
+    if rotates and ROTARY_HADAMARD_FROM_MEMORY:
+        h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
     parts = 2 if ROTARY_SPLIT_QK else 1
     group = rotary_token_group(num_tokens) if rotates else 1
-    butterfly = rotates and ROTARY_HADAMARD_BUTTERFLY and group == 1
-    h_matrix = None
-    if rotates and ROTARY_HADAMARD_FROM_MEMORY and not butterfly:
-        h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
     if group < 1 or group & (group - 1):
         raise ValueError(
             "ROTARY_TOKEN_GROUP and ROTARY_LARGE_LAUNCH_GROUP must be powers of two"
@@ -723,9 +690,6 @@ def qk_norm_rope(
         H_FROM_MEMORY=h_matrix is not None,
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
         SPLIT_QK=ROTARY_SPLIT_QK,
-        BUTTERFLY=butterfly,
-        HA=hadamard_factors(dim // 2)[0] if butterfly else 1,
-        HB=hadamard_factors(dim // 2)[1] if butterfly else 1,
         GROUP=group,
         GROUP_HQ=group_hq,
         GROUP_HK=group_hk,

@@ -635,11 +635,10 @@ def section_decode_tiles(args: argparse.Namespace) -> None:
 # heads): a W1 decode step and prefill chunk (Qwen3-0.6B, q/k norms), W2's one token
 # (Llama-3.1-8B)
 ROTARY_CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8))
-# Token groups the `rotary` section times, GROUP/WARPS[/b] (`layer_ops.ROTARY_TOKEN_GROUP`, 0:
+# Token groups the `rotary` section times, GROUP/WARPS (`layer_ops.ROTARY_TOKEN_GROUP`, 0:
 # chosen per launch, the engine's; `ROTARY_GROUP_NUM_WARPS`); the first, one token a program,
-# is the reference the others' numbers are compared with; `/b`: one token a program with H as
-# a butterfly (`ROTARY_HADAMARD_BUTTERFLY`) at WARPS warps
-ROTARY_GROUP_CONFIGS = "1/8;0/8;2/8;4/8;2/16;4/16;8/16;1/8/b;1/4/b"
+# is the reference the others' numbers are compared with
+ROTARY_GROUP_CONFIGS = "1/8;0/8;2/8;4/8;2/16;4/16;8/16"
 
 
 def section_rotary(args: argparse.Namespace) -> None:
@@ -686,21 +685,12 @@ def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) 
     row["bf16_us"] = round(graph_us(lambda: launch(False), 20), 2)
     reference: tuple[torch.Tensor, torch.Tensor] | None = None
     for spec in configs:
-        fields = spec.split("/")
-        group, warps = int(fields[0]), int(fields[1])
-        butterfly = fields[2:] == ["b"]
+        group, warps = (int(part) for part in spec.split("/"))
         module = "davit_engine.kernels.layer_ops"
-        switches: tuple[tuple[str, str, object], ...] = (
-            (module, "ROTARY_TOKEN_GROUP", group),
-            (module, "ROTARY_GROUP_NUM_WARPS", warps),
-        )
-        if butterfly:  # one token a program at `warps` warps, H as a butterfly
-            switches += (
-                (module, "ROTARY_HADAMARD_BUTTERFLY", True),
-                (module, "ROTARY_FP8_NUM_WARPS", warps),
-            )
-        with switched(switches):
-            key = f"g{group}w{warps}{'b' if butterfly else ''}"
+        with switched(
+            ((module, "ROTARY_TOKEN_GROUP", group), (module, "ROTARY_GROUP_NUM_WARPS", warps))
+        ):
+            key = f"g{group}w{warps}"
             row[f"{key}_us"] = round(graph_us(lambda: launch(True), 20), 2)
             row[f"{key}_group"] = layer_ops.rotary_token_group(tokens)
             caches[True].zero_()
@@ -997,19 +987,6 @@ VARIANTS = {
             ("2-16w", (("ROTARY_TOKEN_GROUP", 2), ("ROTARY_GROUP_NUM_WARPS", 16))),
             ("4-16w", (("ROTARY_TOKEN_GROUP", 4), ("ROTARY_GROUP_NUM_WARPS", 16))),
         )
-    },
-    # the rotary kernel's Hadamard products as a butterfly at one token a program, at 8 or 4
-    # warps (layer_ops.ROTARY_HADAMARD_BUTTERFLY, ROTARY_FP8_NUM_WARPS)
-    **{
-        f"{base}-rotary-butterfly{suffix}": Variant(
-            f"{base}-rotary-butterfly{suffix}",
-            quantization,
-            kv,
-            (("davit_engine.kernels.layer_ops", "ROTARY_HADAMARD_BUTTERFLY", True),)
-            + ((("davit_engine.kernels.layer_ops", "ROTARY_FP8_NUM_WARPS", 4),) if suffix else ()),
-        )
-        for base, quantization, kv in _BASES[1:]
-        for suffix in ("", "-4w")
     },
     # at one token, each residual add + RMSNorm as kernels of their own, as before run 28
     # (fused_layers.NORM_IN_ONE_ROW_PRODUCTS, on by default: folded into the FP8 products,
