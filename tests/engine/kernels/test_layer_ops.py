@@ -414,11 +414,13 @@ def _rotary_group_case(
     group: int,
     split: bool,
     warps: int = 8,
+    rotate_queries: bool = True,
 ) -> None:
     """The rotary kernel where it rotates, one token a program against `group` tokens a
     program (`ROTARY_TOKEN_GROUP`; 0: chosen per launch) at `warps` warps: the same rotated
     queries, keys and cache bytes, under Triton's interpreter exactly, on a GPU but for the
-    matrix units' summation order (a taller product). `cache_dtype` None: keys returned."""
+    matrix units' summation order (a taller product). `cache_dtype` None: keys returned;
+    `rotate_queries` False: only an FP8 cache's keys are rotated."""
     torch.manual_seed(14)
     _, _, kv_heads, dim = shape
     cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
@@ -429,14 +431,14 @@ def _rotary_group_case(
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         if cache_dtype is None:
             q_out, k_out = qk_norm_rope(
-                q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=True
+                q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=rotate_queries
             )
             assert k_out is not None
             return q_out, k_out
         cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
         q_out, _ = qk_norm_rope(
             q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
-            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=True,
+            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=rotate_queries,
         )  # fmt: skip
         return q_out, cache.view(torch.uint8) if fp8 else cache
 
@@ -473,6 +475,18 @@ def test_rotary_token_groups_store_the_same_bytes(
     cache = dtype if cache_dtype == "model" else cache_dtype
     assert cache is None or isinstance(cache, torch.dtype)
     _rotary_group_case(device, monkeypatch, dtype, cache, (7, 4, 2, 16), group, split)
+
+
+@pytest.mark.parametrize("group", [2, 8])
+def test_rotary_token_groups_with_queries_unrotated(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, group: int
+) -> None:
+    """An FP8 cache written by a caller that takes its queries unrotated (the attention kernel
+    rotates them): only the keys go through the group's product."""
+    _rotary_group_case(
+        device, monkeypatch, torch.float32, torch.float8_e4m3fn, (7, 4, 2, 16), group, True,
+        rotate_queries=False,
+    )  # fmt: skip
 
 
 def test_rotary_token_group_must_be_a_power_of_two(
