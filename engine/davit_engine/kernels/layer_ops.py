@@ -507,6 +507,22 @@ def _norm_rope_rows(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _group_heads(  # type: ignore[no-untyped-def]
+    x_ptr, weight_ptr, first_token, num_tokens, num_heads, stride_t, stride_h, eps, cos_ptr,
+    sin_ptr, stride_rope, HAS_NORM: tl.constexpr, HALF: tl.constexpr, GROUP: tl.constexpr,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A token group's heads of x as rows (`_group_rows`), normed and rotated
+    (`_norm_rope_rows`): tokens, heads, valid and the two halves."""
+    tokens, heads, valid = _group_rows(first_token, num_tokens, num_heads, GROUP, HEADS, ROWS)
+    x1, x2 = _norm_rope_rows(
+        x_ptr, weight_ptr, tokens, heads, valid, stride_t, stride_h, eps, cos_ptr, sin_ptr,
+        stride_rope, HAS_NORM, HALF, DTYPE,
+    )  # fmt: skip
+    return tokens, heads, valid, x1, x2
+
+
+@triton.jit
 def _store_rows(  # type: ignore[no-untyped-def]
     dst_ptr, tokens, heads, valid, num_heads, out1, out2, HALF: tl.constexpr,
 ):  # fmt: skip
@@ -540,12 +556,10 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
     last = first + 1 if SPLIT_QK else 2
     full = tl.arange(0, 2 * HALF)[None, :]
     if first == 0:
-        tokens, heads, valid = _group_rows(
-            first_token, num_tokens, num_q_heads, GROUP, GROUP_HQ, GROUP_ROWS_Q
-        )
-        q1, q2 = _norm_rope_rows(
-            q_ptr, q_weight_ptr, tokens, heads, valid, stride_qt, stride_qh, eps, cos_ptr,
-            sin_ptr, stride_rope, HAS_NORM, HALF, dtype,
+        tokens, heads, valid, q1, q2 = _group_heads(
+            q_ptr, q_weight_ptr, first_token, num_tokens, num_q_heads, stride_qt, stride_qh,
+            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HQ, GROUP_ROWS_Q,
+            dtype,
         )  # fmt: skip
         if ROTATE_Q:  # q @ H, rounded to the model dtype
             q = _join_halves(q1, q2, GROUP_ROWS_Q, HALF).to(dtype)
@@ -555,12 +569,10 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
         else:
             _store_rows(q_out_ptr, tokens, heads, valid, num_q_heads, q1, q2, HALF)
     if last == 2:
-        tokens, heads, valid = _group_rows(
-            first_token, num_tokens, num_k_heads, GROUP, GROUP_HK, GROUP_ROWS_K
-        )
-        k1, k2 = _norm_rope_rows(
-            k_ptr, k_weight_ptr, tokens, heads, valid, stride_kt, stride_kh, eps, cos_ptr,
-            sin_ptr, stride_rope, HAS_NORM, HALF, dtype,
+        tokens, heads, valid, k1, k2 = _group_heads(
+            k_ptr, k_weight_ptr, first_token, num_tokens, num_k_heads, stride_kt, stride_kh,
+            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HK, GROUP_ROWS_K,
+            dtype,
         )  # fmt: skip
         if WRITE_KV:  # straight into the paged cache at each token's slot (negative: padding)
             slot = tl.load(slot_ptr + tokens, mask=valid, other=-1).to(tl.int64)

@@ -213,6 +213,30 @@ def _cache_write_case(
     return cos, sin, q, k, v, weights, slots, blocks, page
 
 
+def _rotary_run(
+    case: tuple[Any, ...],
+    cache_dtype: torch.dtype | None,
+    kv_scale: torch.Tensor | None,
+    rotate_queries: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The rotary kernel on a `_cache_write_case`: (queries, keys) with no cache
+    (`cache_dtype` None), else (queries, the cache written from zeros; an FP8 one as bytes)."""
+    cos, sin, q, k, v, weights, slots, blocks, page = case
+    if cache_dtype is None:
+        q_out, k_out = qk_norm_rope(
+            q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=rotate_queries
+        )
+        assert k_out is not None
+        return q_out, k_out
+    _, kv_heads, dim = k.shape
+    cache = torch.zeros(2, blocks, page, kv_heads, dim, device=q.device).to(cache_dtype)
+    q_out, _ = qk_norm_rope(
+        q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
+        slot_mapping=slots, kv_scale=kv_scale, rotate_queries=rotate_queries,
+    )  # fmt: skip
+    return q_out, cache.view(torch.uint8) if cache_dtype == torch.float8_e4m3fn else cache
+
+
 def _rotary_switch_case(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
@@ -346,17 +370,10 @@ def _rotary_equal_switch_case(
     fp8 = cache_dtype == torch.float8_e4m3fn
     kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
 
+    case = (cos, sin, q, k, v, weights, slots, blocks, page)
+
     def run() -> tuple[torch.Tensor, ...]:
-        if cache_dtype is None:
-            q_out, k_out = qk_norm_rope(q, k, cos, sin, weights[0], weights[1], 1e-6)
-            assert k_out is not None
-            return q_out, k_out
-        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
-        q_out, _ = qk_norm_rope(
-            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
-            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=fp8,
-        )  # fmt: skip
-        return q_out, cache.view(torch.uint8) if fp8 else cache
+        return _rotary_run(case, cache_dtype, kv_scale, rotate_queries=fp8)
 
     monkeypatch.setattr(layer_ops, switch, False)
     before = run()
@@ -428,19 +445,10 @@ def _rotary_group_case(
     kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous() if fp8 else None
     monkeypatch.setattr(layer_ops, "ROTARY_SPLIT_QK", split)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        if cache_dtype is None:
-            q_out, k_out = qk_norm_rope(
-                q, k, cos, sin, weights[0], weights[1], 1e-6, rotate_queries=rotate_queries
-            )
-            assert k_out is not None
-            return q_out, k_out
-        cache = torch.zeros(2, blocks, page, kv_heads, dim, device=device).to(cache_dtype)
-        q_out, _ = qk_norm_rope(
-            q, k, cos, sin, weights[0], weights[1], 1e-6, v=v, kv_cache=cache,
-            slot_mapping=slots, kv_scale=kv_scale, rotate_queries=rotate_queries,
-        )  # fmt: skip
-        return q_out, cache.view(torch.uint8) if fp8 else cache
+    case = (cos, sin, q, k, v, weights, slots, blocks, page)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return _rotary_run(case, cache_dtype, kv_scale, rotate_queries)
 
     monkeypatch.setattr(layer_ops, "ROTARY_TOKEN_GROUP", 1)
     one = run()
