@@ -339,8 +339,6 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     GROUP_HQ: tl.constexpr,
     GROUP_HK: tl.constexpr,
-    GROUP_ROWS_Q: tl.constexpr,
-    GROUP_ROWS_K: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     if GROUP > 1:
@@ -349,8 +347,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
             k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
             num_tokens, eps, HAS_NORM, WRITE_KV, HALF, PAGE, FP8, ROTATE, ROTATE_Q,
-            DOT_PRECISION, H_FROM_MEMORY, SPLIT_QK, GROUP, GROUP_HQ, GROUP_HK, GROUP_ROWS_Q,
-            GROUP_ROWS_K, USE_GDC,
+            DOT_PRECISION, H_FROM_MEMORY, SPLIT_QK, GROUP, GROUP_HQ, GROUP_HK, USE_GDC,
         )  # fmt: skip
     else:
         _qk_norm_rope_token(
@@ -541,13 +538,15 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, ROTATE: tl.constexpr, ROTATE_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr, SPLIT_QK: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_HQ: tl.constexpr, GROUP_HK: tl.constexpr,
-    GROUP_ROWS_Q: tl.constexpr, GROUP_ROWS_K: tl.constexpr, USE_GDC: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_HQ: tl.constexpr, GROUP_HK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """GROUP tokens a program (`ROTARY_TOKEN_GROUP`), their heads the rows of one product with
     the Hadamard tile: the queries' rows in one (SPLIT_QK: its own program), the keys' in
     another, each row's arithmetic that of `_qk_norm_rope_token`. Only the tile is read before
-    the wait for the kernel before."""
+    the wait for the kernel before. A group's rows: GROUP x the heads padded to a power of two
+    (GROUP_HQ, GROUP_HK), at least the 16 a matrix-unit product takes."""
+    ROWS_Q: tl.constexpr = GROUP * GROUP_HQ if GROUP * GROUP_HQ >= 16 else 16
+    ROWS_K: tl.constexpr = GROUP * GROUP_HK if GROUP * GROUP_HK >= 16 else 16
     dtype = q_out_ptr.dtype.element_ty
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
     gdc_enter(USE_GDC)
@@ -558,11 +557,11 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
     if first == 0:
         tokens, heads, valid, q1, q2 = _group_heads(
             q_ptr, q_weight_ptr, first_token, num_tokens, num_q_heads, stride_qt, stride_qh,
-            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HQ, GROUP_ROWS_Q,
+            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HQ, ROWS_Q,
             dtype,
         )  # fmt: skip
         if ROTATE_Q:  # q @ H, rounded to the model dtype
-            q = _join_halves(q1, q2, GROUP_ROWS_Q, HALF).to(dtype)
+            q = _join_halves(q1, q2, ROWS_Q, HALF).to(dtype)
             q = tl.dot(q, h, input_precision=DOT_PRECISION)
             dst = q_out_ptr + (tokens * num_q_heads + heads) * (2 * HALF) + full
             tl.store(dst, q.to(dtype), mask=valid)
@@ -571,7 +570,7 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
     if last == 2:
         tokens, heads, valid, k1, k2 = _group_heads(
             k_ptr, k_weight_ptr, first_token, num_tokens, num_k_heads, stride_kt, stride_kh,
-            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HK, GROUP_ROWS_K,
+            eps, cos_ptr, sin_ptr, stride_rope, HAS_NORM, HALF, GROUP, GROUP_HK, ROWS_K,
             dtype,
         )  # fmt: skip
         if WRITE_KV:  # straight into the paged cache at each token's slot (negative: padding)
@@ -580,7 +579,7 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
             v = tl.load(
                 v_ptr + tokens * stride_vt + heads * stride_vh + full, mask=stored, other=0.0
             )
-            k = _join_halves(k1, k2, GROUP_ROWS_K, HALF).to(dtype)
+            k = _join_halves(k1, k2, ROWS_K, HALF).to(dtype)
             store_rows_kv(
                 k, v, cache_ptr, slot, heads, stored, scale_ptr, value_offset, num_k_heads, PAGE,
                 2 * HALF, 2 * HALF, FP8, ROTATE, DOT_PRECISION, h,
@@ -661,8 +660,6 @@ def qk_norm_rope(
             "ROTARY_TOKEN_GROUP and ROTARY_LARGE_LAUNCH_GROUP must be powers of two"
             f" (ROTARY_TOKEN_GROUP 0: chosen per launch; got {group})"
         )
-    group_hq = triton.next_power_of_2(num_q_heads)
-    group_hk = triton.next_power_of_2(k.shape[1])
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, group), parts)](
         q,
         k,
@@ -703,10 +700,8 @@ def qk_norm_rope(
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
         SPLIT_QK=ROTARY_SPLIT_QK,
         GROUP=group,
-        GROUP_HQ=group_hq,
-        GROUP_HK=group_hk,
-        GROUP_ROWS_Q=max(group * group_hq, 16),
-        GROUP_ROWS_K=max(group * group_hk, 16),
+        GROUP_HQ=triton.next_power_of_2(num_q_heads),
+        GROUP_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=ROTARY_GROUP_NUM_WARPS if group > 1 else ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
