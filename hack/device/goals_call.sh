@@ -2,8 +2,8 @@
 # One device call for issue 18's goals. On an H200: W1 and W2 with bf16 in the same process
 # (three interleaved rounds), the FP8 decode tiles and the one-row product tiles at this
 # card's bandwidth, the read ceiling, and W1 again in the best decode tile if the sweep
-# found one more than 2% faster over W1's steps. On another card: W2's kernel totals only.
-#   bash hack/device/goals_call.sh    (writes under $OUT)
+# found one more than 2% faster over W1's steps. On another card: only $H100_CMD, if set.
+#   [H100_CMD='bench --sections w2-profile ...'] bash hack/device/goals_call.sh  (writes under $OUT)
 set -u
 . hack/device/env.sh
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -25,9 +25,10 @@ case "$GPU" in
   fi
   ;;
 *)
-  bench --sections w2-profile --w2-variants fp8-both --deadline-s 100
+  if [ -n "${H100_CMD:-}" ]; then eval "$H100_CMD"; fi
   ;;
 esac
+[ -f "$OUT/log.txt" ] || exit 0
 grep -v '^{' "$OUT/log.txt" | grep -i "error\|Traceback" | head -5
 python3 - "$OUT/fp8.jsonl" <<'PY'
 import json, sys
