@@ -887,6 +887,10 @@ VARIANTS = {
     # without the merge, where two waves split it in two
     **_attention_variants("splits-fp8-1.9w", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.9}),
     **_attention_variants("splits-fp8-1.5w", "SPLIT_WAVES", {"model": 2.0, "fp8": 1.5}),
+    # and beyond two: three or four waves of the FP8 tile's programs (more loads in flight
+    # where a card streams faster than the H100)
+    **_attention_variants("splits-fp8-3w", "SPLIT_WAVES", {"model": 2.0, "fp8": 3.0}),
+    **_attention_variants("splits-fp8-4w", "SPLIT_WAVES", {"model": 2.0, "fp8": 4.0}),
     **_attention_variants("balanced", "BALANCE_SPLITS", True),
     **_attention_variants("split-past-wave", "SPLIT_PAST_FULL_WAVE", True),
     # the FP8 cache's rotary kernel at 4 warps per program (the default is 8), with the
