@@ -13,8 +13,8 @@ bench() { python3 -m davit_tools.bench.fp8 "$@" >> "$OUT/log.txt" 2>&1; }
 case "$GPU" in
 *H200*)
   bench --sections w1,w2 --rounds 3 --deadline-s 330 \
-    --w1-variants bf16,fp8-kv,fp8-kv-rotary-group-one-token,fp8-kv-splits-fp8-3w \
-    --w2-variants fp8-both,fp8-both-lm-head,bf16,fp8-both-norm-kernels,fp8-both-norm-kernels+fp8-both-stream4
+    --w1-variants bf16,fp8-kv,fp8-kv-rotary-one,fp8-kv-splits-fp8-3w \
+    --w2-variants fp8-both,fp8-both-lm-head,bf16,fp8-both-rotary-one,fp8-both-norm-kernels+fp8-both-stream4
   bench --sections decode-tiles,gemm --gemm-rows 1 --gemm-configs "" --deadline-s 150 \
     --gemv-configs "8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;16/1024/4/0;16/1024/8/0;8/512/4/0/3;8/512/4/0/4;4/1024/4/0/4"
   python3 hack/device/read_ceiling.py > "$OUT/ceiling.txt" 2>&1

@@ -1,15 +1,17 @@
 """Where the FP8 cache's rotary launch spends the time it takes beyond the bf16 cache's: the
 launch timed with its parts switched on one at a time (queries times H, keys times H, the FP8
 cache store), at W1's decode step (256 tokens, 16/8 heads), W1's prefill chunk (8,192) and W2's
-token (32/8), inside CUDA graphs (us). Prints one JSON line per case. Exploratory (bench
-notes, run 32).
+token (32/8), inside CUDA graphs (us); with `forms`, the launch's forms instead (two programs a
+token, one with the joint query and key rows, one with two products in turn; 8 and 16 warps)
+at 1 to 256 tokens. Prints one JSON line per case. Exploratory (bench notes, run 32).
 
-    . hack/device/env.sh && python3 hack/device/rotary_parts.py
+    . hack/device/env.sh && python3 hack/device/rotary_parts.py [forms]
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from unittest import mock
 
 import torch
@@ -20,7 +22,19 @@ from davit_tools.bench.timing import graph_us
 CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8))
 
 
-def case(label: str, tokens: int, hq: int, hkv: int) -> dict[str, object]:
+FORMS = (
+    ("split", {"ROTARY_SPLIT_QK": True}),
+    ("joint", {"ROTARY_SPLIT_QK": False}),
+    ("in_turn", {"ROTARY_SPLIT_QK": False, "ROTARY_JOINT_QK": False}),
+    ("joint_16w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 16}),
+    ("joint_4w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 4}),
+    ("split_16w", {"ROTARY_FP8_NUM_WARPS": 16}),
+)
+FORM_CASES = tuple((f"t{tokens}", tokens, *heads) for tokens in (1, 16, 64, 128, 256)
+                   for heads in ((16, 8), (32, 8)))  # fmt: skip
+
+
+def case(label: str, tokens: int, hq: int, hkv: int, forms: bool = False) -> dict[str, object]:
     dim, page = 128, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(tokens, hq + 2 * hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
@@ -47,6 +61,11 @@ def case(label: str, tokens: int, hq: int, hkv: int) -> dict[str, object]:
 
     row: dict[str, object] = {"case": label, "tokens": tokens, "heads": f"{hq}/{hkv}"}
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    if forms:
+        for name, switches in FORMS:
+            with mock.patch.multiple(layer_ops, **switches):
+                row[name] = graph_us(lambda: launch(fp8, True), 20)
+        return row
     row["bf16"] = graph_us(lambda: launch(bf16, False), 20)
     row["bf16_q_rotated"] = graph_us(lambda: launch(bf16, True), 20)
     row["fp8_full"] = graph_us(lambda: launch(fp8, True), 20)
@@ -61,8 +80,9 @@ def case(label: str, tokens: int, hq: int, hkv: int) -> dict[str, object]:
 
 
 def main() -> None:
-    for label, tokens, hq, hkv in CASES:
-        row = case(label, tokens, hq, hkv)
+    forms = sys.argv[1:] == ["forms"]
+    for label, tokens, hq, hkv in FORM_CASES if forms else CASES:
+        row = case(label, tokens, hq, hkv, forms)
         print(json.dumps({key: round(val, 2) if isinstance(val, float) else val
                           for key, val in row.items()}), flush=True)  # fmt: skip
         torch.cuda.empty_cache()

@@ -14,7 +14,13 @@ import triton
 import triton.language as tl
 
 from davit_engine.kernels.fp8 import hadamard_operand
-from davit_engine.kernels.kv_cache import head_tile_rows, store_rows_kv, store_token_kv
+from davit_engine.kernels.kv_cache import (
+    head_tile_rows,
+    store_rows_keys,
+    store_rows_kv,
+    store_rows_values,
+    store_token_kv,
+)
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
@@ -47,6 +53,16 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # and -0.3% in two calls' medians of three, +0.2% in the third call's warm round). A switch so
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
+# Launches of fewer tokens than this split (`ROTARY_SPLIT_QK`); the rest take one program a
+# token. Where a program does both and an FP8 cache rotates the queries and the keys it writes,
+# and the key heads follow the query heads in memory (the V2 runner's q/k/v views of one
+# projection), the query and key heads are the rows of one product with the Hadamard tile
+# (`ROTARY_JOINT_QK`, `_rope_joint`) instead of two in turn. On an H100 (bench notes, run 32;
+# Qwen3-0.6B heads, in CUDA graphs) a decode step of 256 tokens took 6.57 us split and 5.75 in
+# one program a token with two products, W2's one token 2.67 split and 3.85 in one program.
+# Switches so that a benchmark can run the engine each way.
+ROTARY_SPLIT_MAX_TOKENS = 1 << 31
+ROTARY_JOINT_QK = True
 # Tokens a program of the rotary kernel takes where it rotates (an FP8 cache), all in one
 # product with the Hadamard tile: the group's heads are the rows of one `[tokens x heads, D]`
 # operand, so the 32 KB tile is read once a group and the matrix units take a taller product
@@ -246,23 +262,34 @@ def _norm_rope_heads(  # type: ignore[no-untyped-def]
     src = x_ptr + token.to(tl.int64) * stride_t + heads * stride_h + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+    w1, w2 = _norm_weights(weight_ptr, HAS_NORM, HALF)
+    return norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+
+
+@triton.jit
+def _norm_weights(weight_ptr, HAS_NORM: tl.constexpr, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A per-head RMSNorm's weight as its halves, fp32 `[1, HALF]` each (0 without a norm)."""
+    if HAS_NORM:
+        dims = tl.arange(0, HALF)[None, :]
+        w1 = tl.load(weight_ptr + dims).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
+        return w1, w2
+    else:
+        return 0.0, 0.0
 
 
 @triton.jit
 def norm_rope_halves(  # type: ignore[no-untyped-def]
-    x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+    x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
     DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Heads given as their halves (fp32 values of DTYPE, `[rows, HALF]` each): normed
-    (optionally) and rotated, each rounding where the torch layers round: the arithmetic of the
-    rotary kernel's `_norm_rope_heads`."""
-    dims = tl.arange(0, HALF)[None, :]
+    (optionally, by the norm weight's halves `w1`, `w2`, fp32 values broadcast to the rows) and
+    rotated, each rounding where the torch layers round: the arithmetic of the rotary kernel's
+    `_norm_rope_heads`."""
     if HAS_NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), rounded like the torch layer
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         inv = tl.rsqrt(variance + eps)[:, None]
-        w1 = tl.load(weight_ptr + dims).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
         x1 = _round(_round(x1 * inv, DTYPE) * w1, DTYPE)
         x2 = _round(_round(x2 * inv, DTYPE) * w2, DTYPE)
     # rotate-half: out = x * cos + cat(-x2, x1) * sin, each product materialised like torch's
@@ -339,6 +366,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     GROUP_HQ: tl.constexpr,
     GROUP_HK: tl.constexpr,
+    JOINT_ROWS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     if GROUP > 1:
@@ -355,7 +383,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
             k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
             eps, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ, BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q,
-            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, USE_GDC,
+            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, GROUP_HK, JOINT_ROWS, USE_GDC,
         )  # fmt: skip
 
 
@@ -367,9 +395,12 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
     ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr,
-    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, USE_GDC: tl.constexpr,
+    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, GROUP_HK: tl.constexpr,
+    JOINT_ROWS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    """One token a program (or two: SPLIT_QK)."""
+    """One token a program (or two: SPLIT_QK). JOINT_ROWS (not 0): the token's query and key
+    heads, adjacent in memory, as the rows of one product with the Hadamard tile
+    (`_rope_joint`)."""
     # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
     # the other (= 1); else one program does both.
     # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
@@ -388,8 +419,29 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
+    if JOINT_ROWS:  # the rows' norm weights and the cache's scales: none is the kernel before's
+        rows = tl.arange(0, JOINT_ROWS)[:, None]
+        key_rows = (rows >= num_q_heads) & (rows < num_q_heads + num_k_heads)
+        if HAS_NORM:
+            wq1, wq2 = _norm_weights(q_weight_ptr, HAS_NORM, HALF)
+            wk1, wk2 = _norm_weights(k_weight_ptr, HAS_NORM, HALF)
+            w1 = tl.where(rows < num_q_heads, wq1, wk1)
+            w2 = tl.where(rows < num_q_heads, wq2, wk2)
+        else:
+            w1, w2 = 0.0, 0.0
+        k_scale = tl.load(scale_ptr + rows - num_q_heads, mask=key_rows, other=1.0)
+        v_heads = tl.arange(0, GROUP_HK)[:, None]
+        v_scale = tl.load(scale_ptr + num_k_heads + v_heads, mask=v_heads < num_k_heads, other=1.0)
     if EARLY:
         gdc_enter(USE_GDC)
+    if JOINT_ROWS:
+        _rope_joint(
+            q_ptr, v_ptr, q_out_ptr, cache_ptr, token, slot, stride_qt, stride_qh, stride_vt,
+            stride_vh, value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, w1, w2,
+            k_scale, v_scale, h, HAS_NORM, HALF, JOINT_ROWS, GROUP_HK, PAGE, DOT_PRECISION,
+            dtype,
+        )  # fmt: skip
+        return
     # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
     # sm_90 at W2's heads (FP8 cache, 8 warps) it compiles to 148 registers, where the same
     # choice written as `part != 1` / `part != 0` tests compiles to 250.
@@ -407,6 +459,44 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
             c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
             DOT_PRECISION, dtype,
         )  # fmt: skip
+
+
+@triton.jit
+def _rope_joint(  # type: ignore[no-untyped-def]
+    q_ptr, v_ptr, q_out_ptr, cache_ptr, token, slot, stride_qt, stride_qh, stride_vt, stride_vh,
+    value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, w1, w2, k_scale, v_scale, h,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HV: tl.constexpr,
+    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """An FP8 cache's token whose key heads follow its query heads in memory (q/k/v views of
+    one projection): the query and key heads as the ROWS rows of one product with H, the
+    queries rounded to the model dtype into `q_out`, the keys (and the values, key-minor) into
+    the cache at `slot` (negative: padding, skipped). Each row's arithmetic is that of
+    `_rope_queries` and `_rope_keys_values`; the values are read with the heads, before any
+    arithmetic, so their load is not a second round trip."""
+    rows = tl.arange(0, ROWS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    full = tl.arange(0, 2 * HALF)[None, :]
+    valid = rows < num_q_heads + num_k_heads
+    src = q_ptr + token.to(tl.int64) * stride_qt + rows * stride_qh + dims
+    x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=valid, other=0.0).to(tl.float32)
+    v_heads = tl.arange(0, BLOCK_HV)[:, None]
+    v_rows = (v_heads < num_k_heads) & (v_heads * 0 + slot >= 0)  # slot < 0: padding
+    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + v_heads * stride_vh + full, mask=v_rows)
+    x1, x2 = norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, dtype)
+    y = tl.dot(_join_halves(x1, x2, ROWS, HALF).to(dtype), h, input_precision=DOT_PRECISION)
+    q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF + rows * 2 * HALF + full
+    tl.store(q_dst, y.to(dtype), mask=rows < num_q_heads)
+    key_rows = (rows >= num_q_heads) & valid & (rows * 0 + slot >= 0)
+    store_rows_keys(
+        y, cache_ptr, slot, rows - num_q_heads, key_rows, k_scale, num_k_heads, 2 * HALF,
+        2 * HALF, True,
+    )  # fmt: skip
+    store_rows_values(
+        v, cache_ptr, slot, v_heads, v_rows, v_scale, value_offset, num_k_heads, PAGE, 2 * HALF,
+        2 * HALF, True,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -500,7 +590,8 @@ def _norm_rope_rows(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
     s1 = _round(tl.load(sin_ptr + row + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
-    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+    w1, w2 = _norm_weights(weight_ptr, HAS_NORM, HALF)
+    return norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
 
 
 @triton.jit
@@ -596,6 +687,15 @@ def rotary_token_group(num_tokens: int) -> int:
     return ROTARY_LARGE_LAUNCH_GROUP if num_tokens >= ROTARY_GROUP_MIN_TOKENS else 1
 
 
+def _keys_follow_queries(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k's heads are q's rows after its last head: the same token and head strides,
+    and k starting one head stride past q's last head (q and k split from one projection)."""
+    return (
+        k.dtype == q.dtype and k.device == q.device and k.stride() == q.stride()
+        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+    )  # fmt: skip
+
+
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     k: torch.Tensor,  # [T, Hkv, D], last dim contiguous
@@ -653,8 +753,13 @@ def qk_norm_rope(
     h_matrix = None
     if rotates and ROTARY_HADAMARD_FROM_MEMORY:
         h_matrix = _hadamard_in_memory(dim, q.dtype, q.device)
-    parts = 2 if ROTARY_SPLIT_QK else 1
+    split = ROTARY_SPLIT_QK and num_tokens < ROTARY_SPLIT_MAX_TOKENS
+    parts = 2 if split else 1
     group = rotary_token_group(num_tokens) if rotates else 1
+    joint = (
+        ROTARY_JOINT_QK and not split and group == 1 and rotate and rotate_queries and write_kv
+        and _keys_follow_queries(q, k)
+    )  # fmt: skip
     if group < 1 or group & (group - 1):
         raise ValueError(
             "ROTARY_TOKEN_GROUP and ROTARY_LARGE_LAUNCH_GROUP must be powers of two"
@@ -698,10 +803,11 @@ def qk_norm_rope(
         DOT_PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         H_FROM_MEMORY=h_matrix is not None,
         EARLY=ROTARY_LOADS_BEFORE_WAIT,
-        SPLIT_QK=ROTARY_SPLIT_QK,
+        SPLIT_QK=split,
         GROUP=group,
         GROUP_HQ=triton.next_power_of_2(num_q_heads),
         GROUP_HK=triton.next_power_of_2(k.shape[1]),
+        JOINT_ROWS=max(16, triton.next_power_of_2(num_q_heads + k.shape[1])) if joint else 0,
         num_warps=ROTARY_GROUP_NUM_WARPS if group > 1 else ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),
