@@ -19,7 +19,6 @@ from davit_engine.kernels.kv_cache import (
     store_rows_keys,
     store_rows_kv,
     store_rows_values,
-    store_token_kv,
 )
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
@@ -432,6 +431,14 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
         k_scale = tl.load(scale_ptr + rows - num_q_heads, mask=key_rows, other=1.0)
         v_heads = tl.arange(0, GROUP_HK)[:, None]
         v_scale = tl.load(scale_ptr + num_k_heads + v_heads, mask=v_heads < num_k_heads, other=1.0)
+    elif WRITE_KV and FP8:  # the keys' program's cache scales, a head a row
+        kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+        k_scale = tl.load(scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
+        v_scale = tl.load(
+            scale_ptr + num_k_heads + kv_heads, mask=kv_heads < num_k_heads, other=1.0
+        )
+    else:
+        k_scale, v_scale = 1.0, 1.0
     if EARLY:
         gdc_enter(USE_GDC)
     if JOINT_ROWS:
@@ -441,24 +448,24 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
             k_scale, v_scale, h, HAS_NORM, HALF, JOINT_ROWS, GROUP_HK, PAGE, DOT_PRECISION,
             dtype,
         )  # fmt: skip
-        return
-    # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
-    # sm_90 at W2's heads (FP8 cache, 8 warps) it compiles to 148 registers, where the same
-    # choice written as `part != 1` / `part != 0` tests compiles to 250.
-    first = tl.program_id(1) if SPLIT_QK else 0
-    last = first + 1 if SPLIT_QK else 2
-    if first == 0:
-        _rope_queries(
-            q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
-            c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
-        )  # fmt: skip
-    if last == 2:
-        _rope_keys_values(
-            k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, scale_ptr, token, slot,
-            stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
-            c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
-            DOT_PRECISION, dtype,
-        )  # fmt: skip
+    else:
+        # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
+        # sm_90 at W2's heads (FP8 cache, 8 warps) it compiles to 148 registers, where the same
+        # choice written as `part != 1` / `part != 0` tests compiles to 250.
+        first = tl.program_id(1) if SPLIT_QK else 0
+        last = first + 1 if SPLIT_QK else 2
+        if first == 0:
+            _rope_queries(
+                q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+                c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
+            )  # fmt: skip
+        if last == 2:
+            _rope_keys_values(
+                k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, k_scale, v_scale, token, slot,
+                stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
+                c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
+                DOT_PRECISION, dtype,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -523,36 +530,46 @@ def _rope_queries(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _rope_keys_values(  # type: ignore[no-untyped-def]
-    k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, scale_ptr, token, slot,
+    k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, k_scale, v_scale, token, slot,
     stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
     c1, c2, s1, s2, h, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
 ):  # fmt: skip
     """The token's keys: normed (HAS_NORM) and rotary, then with its values into the paged
-    cache at `slot` (WRITE_KV; negative: padding, skipped), or returned."""
+    cache at `slot` (WRITE_KV; negative: padding, skipped), or returned. The values are read
+    beside the keys, before any arithmetic, and an FP8 cache's scales (`[BLOCK_HK, 1]` each)
+    come read already (before the wait for the kernel before), so the store is not a second
+    round trip to memory; the bytes are `write_kv`'s (`store_rows_keys`, `store_rows_values`)."""
+    heads = tl.arange(0, BLOCK_HK)[:, None]
+    full = tl.arange(0, 2 * HALF)[None, :]
+    if WRITE_KV:
+        stored = (heads < num_k_heads) & (heads * 0 + slot >= 0)  # slot < 0: padding
+        v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
+        v = tl.load(v_src, mask=stored, other=0.0)
     k1, k2 = _norm_rope_heads(
         k_ptr, k_weight_ptr, token, stride_kt, stride_kh, num_k_heads, eps,
         c1, c2, s1, s2, HAS_NORM, HALF, BLOCK_HK, dtype,
     )  # fmt: skip
     if WRITE_KV:
         # Straight into the paged cache at the token's slot.
-        if slot >= 0:
-            heads = tl.arange(0, BLOCK_HK)[:, None]
-            full = tl.arange(0, 2 * HALF)[None, :]
-            v_src = v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + full
-            v = tl.load(v_src, mask=heads < num_k_heads, other=0.0)
-            if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
-                k = _join_halves(k1, k2, BLOCK_HK, HALF)
-                store_token_kv(
-                    k.to(dtype), v, cache_ptr, slot, scale_ptr, value_offset, num_k_heads, PAGE,
-                    2 * HALF, BLOCK_HK, 2 * HALF, True, ROTATE, DOT_PRECISION, h,
-                )  # fmt: skip
-            else:
-                k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
-                _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
-                v_dst = k_dst + value_offset + heads * 2 * HALF + full
-                tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=heads < num_k_heads)
+        if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
+            k = _join_halves(k1, k2, BLOCK_HK, HALF).to(dtype)
+            if ROTATE:  # k @ H on the matrix units (16 rows; exact products)
+                k = tl.dot(k, h, input_precision=DOT_PRECISION)
+            store_rows_keys(
+                k, cache_ptr, slot, heads, stored, k_scale, num_k_heads, 2 * HALF, 2 * HALF, True
+            )  # fmt: skip
+            store_rows_values(
+                v, cache_ptr, slot, heads, stored, v_scale, value_offset, num_k_heads, PAGE,
+                2 * HALF, 2 * HALF, True,
+            )  # fmt: skip
+        else:
+            k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
+            live_heads = tl.where(slot >= 0, num_k_heads, 0)
+            _store_heads(k_dst, 2 * HALF, k1, k2, live_heads, HALF, BLOCK_HK)
+            v_dst = k_dst + value_offset + heads * 2 * HALF + full
+            tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=stored)
     else:
         k_dst = k_out_ptr + token.to(tl.int64) * num_k_heads * 2 * HALF
         _store_heads(k_dst, 2 * HALF, k1, k2, num_k_heads, HALF, BLOCK_HK)
