@@ -14,7 +14,8 @@ def cost(row: dict) -> float:
     return sum(row[k] for k in keys) if len(keys) == 4 else float("inf")
 
 
-rows = [json.loads(line) for line in open(sys.argv[1])]
+with open(sys.argv[1]) as lines:
+    rows = [json.loads(line) for line in lines]
 rows = [r for r in rows if r.get("section") == "decode-tiles"]
 if rows:
     engine, best = rows[0], min(rows, key=cost)

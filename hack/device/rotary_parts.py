@@ -2,8 +2,8 @@
 launch timed with its parts switched on one at a time (queries times H, keys times H, the FP8
 cache store), at W1's decode step (256 tokens, 16/8 heads), W1's prefill chunk (8,192) and W2's
 token (32/8), inside CUDA graphs (us); with `forms`, the launch's forms instead (two programs a
-token, one with the joint query and key rows, one with two products in turn; 8 and 16 warps)
-at 1 to 256 tokens. Prints one JSON line per case. Exploratory (bench notes, run 32).
+token or one; 4, 8 and 16 warps) at 1 to 256 tokens. Prints one JSON line per case.
+Exploratory (bench notes, run 32).
 
     . hack/device/env.sh && python3 hack/device/rotary_parts.py [forms]
 """
@@ -24,10 +24,9 @@ CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8
 
 FORMS = (
     ("split", {"ROTARY_SPLIT_QK": True}),
-    ("joint", {"ROTARY_SPLIT_QK": False}),
-    ("in_turn", {"ROTARY_SPLIT_QK": False, "ROTARY_JOINT_QK": False}),
-    ("joint_16w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 16}),
-    ("joint_4w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 4}),
+    ("one", {"ROTARY_SPLIT_QK": False}),
+    ("one_16w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 16}),
+    ("one_4w", {"ROTARY_SPLIT_QK": False, "ROTARY_FP8_NUM_WARPS": 4}),
     ("split_16w", {"ROTARY_FP8_NUM_WARPS": 16}),
 )
 FORM_CASES = tuple((f"t{tokens}", tokens, *heads) for tokens in (1, 16, 64, 128, 256)

@@ -53,15 +53,13 @@ ROTARY_LOADS_BEFORE_WAIT = True
 # that a benchmark can run the engine each way.
 ROTARY_SPLIT_QK = True
 # Launches of fewer tokens than this split (`ROTARY_SPLIT_QK`); the rest take one program a
-# token. Where a program does both and an FP8 cache rotates the queries and the keys it writes,
-# and the key heads follow the query heads in memory (the V2 runner's q/k/v views of one
-# projection), the query and key heads are the rows of one product with the Hadamard tile
-# (`ROTARY_JOINT_QK`, `_rope_joint`) instead of two in turn. On an H100 (bench notes, run 32;
-# Qwen3-0.6B heads, in CUDA graphs) a decode step of 256 tokens took 6.57 us split and 5.75 in
-# one program a token with two products, W2's one token 2.67 split and 3.85 in one program.
-# Switches so that a benchmark can run the engine each way.
+# token. On an H100 (bench notes, run 32; an FP8 cache, queries rotated, in CUDA graphs) one
+# program a token was faster from 64 tokens at Qwen3-0.6B's heads (16/8: 3.39 against 3.50 us
+# at 64, 5.54 against 6.56 at 256) and only at 256 at Llama-3.1-8B's (32/8: 6.41 against 8.27;
+# 4.23 against 3.55 at 64), and W1 with an FP8 cache split only below 64 tokens was level
+# (28,360 output tok/s against 28,303, two rounds). So all launches split, as before. A switch
+# so that a benchmark can run the engine each way.
 ROTARY_SPLIT_MAX_TOKENS = 1 << 31
-ROTARY_JOINT_QK = True
 # Tokens a program of the rotary kernel takes where it rotates (an FP8 cache), all in one
 # product with the Hadamard tile: the group's heads are the rows of one `[tokens x heads, D]`
 # operand, so the 32 KB tile is read once a group and the matrix units take a taller product
@@ -365,7 +363,6 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     GROUP_HQ: tl.constexpr,
     GROUP_HK: tl.constexpr,
-    JOINT_ROWS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     if GROUP > 1:
@@ -382,7 +379,7 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
             k_weight_ptr, cos_ptr, sin_ptr, scale_ptr, h_ptr, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_rope, value_offset, num_q_heads, num_k_heads,
             eps, HAS_NORM, WRITE_KV, HALF, BLOCK_HQ, BLOCK_HK, PAGE, FP8, ROTATE, ROTATE_Q,
-            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, GROUP_HK, JOINT_ROWS, USE_GDC,
+            DOT_PRECISION, H_FROM_MEMORY, EARLY, SPLIT_QK, USE_GDC,
         )  # fmt: skip
 
 
@@ -394,12 +391,9 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
     ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FROM_MEMORY: tl.constexpr,
-    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, GROUP_HK: tl.constexpr,
-    JOINT_ROWS: tl.constexpr, USE_GDC: tl.constexpr,
+    EARLY: tl.constexpr, SPLIT_QK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    """One token a program (or two: SPLIT_QK). JOINT_ROWS (not 0): the token's query and key
-    heads, adjacent in memory, as the rows of one product with the Hadamard tile
-    (`_rope_joint`)."""
+    """One token a program (or two: SPLIT_QK)."""
     # SPLIT_QK: two programs a token, the queries in one (axis 1 = 0), the keys and values in
     # the other (= 1); else one program does both.
     # EARLY: the token's cos/sin rows, its cache slot and the Hadamard tile are read before
@@ -418,20 +412,7 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
-    if JOINT_ROWS:  # the rows' norm weights and the cache's scales: none is the kernel before's
-        rows = tl.arange(0, JOINT_ROWS)[:, None]
-        key_rows = (rows >= num_q_heads) & (rows < num_q_heads + num_k_heads)
-        if HAS_NORM:
-            wq1, wq2 = _norm_weights(q_weight_ptr, HAS_NORM, HALF)
-            wk1, wk2 = _norm_weights(k_weight_ptr, HAS_NORM, HALF)
-            w1 = tl.where(rows < num_q_heads, wq1, wk1)
-            w2 = tl.where(rows < num_q_heads, wq2, wk2)
-        else:
-            w1, w2 = 0.0, 0.0
-        k_scale = tl.load(scale_ptr + rows - num_q_heads, mask=key_rows, other=1.0)
-        v_heads = tl.arange(0, GROUP_HK)[:, None]
-        v_scale = tl.load(scale_ptr + num_k_heads + v_heads, mask=v_heads < num_k_heads, other=1.0)
-    elif WRITE_KV and FP8:  # the keys' program's cache scales, a head a row
+    if WRITE_KV and FP8:  # the keys' program's cache scales, a head a row
         kv_heads = tl.arange(0, BLOCK_HK)[:, None]
         k_scale = tl.load(scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
         v_scale = tl.load(
@@ -441,69 +422,23 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
         k_scale, v_scale = 1.0, 1.0
     if EARLY:
         gdc_enter(USE_GDC)
-    if JOINT_ROWS:
-        _rope_joint(
-            q_ptr, v_ptr, q_out_ptr, cache_ptr, token, slot, stride_qt, stride_qh, stride_vt,
-            stride_vh, value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, w1, w2,
-            k_scale, v_scale, h, HAS_NORM, HALF, JOINT_ROWS, GROUP_HK, PAGE, DOT_PRECISION,
-            dtype,
+    # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
+    # sm_90 at W2's heads (FP8 cache, 8 warps) it compiles to 148 registers, where the same
+    # choice written as `part != 1` / `part != 0` tests compiles to 250.
+    first = tl.program_id(1) if SPLIT_QK else 0
+    last = first + 1 if SPLIT_QK else 2
+    if first == 0:
+        _rope_queries(
+            q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
+            c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
         )  # fmt: skip
-    else:
-        # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
-        # sm_90 at W2's heads (FP8 cache, 8 warps) it compiles to 148 registers, where the same
-        # choice written as `part != 1` / `part != 0` tests compiles to 250.
-        first = tl.program_id(1) if SPLIT_QK else 0
-        last = first + 1 if SPLIT_QK else 2
-        if first == 0:
-            _rope_queries(
-                q_ptr, q_out_ptr, q_weight_ptr, token, stride_qt, stride_qh, num_q_heads, eps,
-                c1, c2, s1, s2, h, HAS_NORM, HALF, BLOCK_HQ, ROTATE_Q, DOT_PRECISION, dtype,
-            )  # fmt: skip
-        if last == 2:
-            _rope_keys_values(
-                k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, k_scale, v_scale, token, slot,
-                stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
-                c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
-                DOT_PRECISION, dtype,
-            )  # fmt: skip
-
-
-@triton.jit
-def _rope_joint(  # type: ignore[no-untyped-def]
-    q_ptr, v_ptr, q_out_ptr, cache_ptr, token, slot, stride_qt, stride_qh, stride_vt, stride_vh,
-    value_offset, num_q_heads, num_k_heads, eps, c1, c2, s1, s2, w1, w2, k_scale, v_scale, h,
-    HAS_NORM: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HV: tl.constexpr,
-    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr,
-):  # fmt: skip
-    """An FP8 cache's token whose key heads follow its query heads in memory (q/k/v views of
-    one projection): the query and key heads as the ROWS rows of one product with H, the
-    queries rounded to the model dtype into `q_out`, the keys (and the values, key-minor) into
-    the cache at `slot` (negative: padding, skipped). Each row's arithmetic is that of
-    `_rope_queries` and `_rope_keys_values`; the values are read with the heads, before any
-    arithmetic, so their load is not a second round trip."""
-    rows = tl.arange(0, ROWS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    full = tl.arange(0, 2 * HALF)[None, :]
-    valid = rows < num_q_heads + num_k_heads
-    src = q_ptr + token.to(tl.int64) * stride_qt + rows * stride_qh + dims
-    x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=valid, other=0.0).to(tl.float32)
-    v_heads = tl.arange(0, BLOCK_HV)[:, None]
-    v_rows = (v_heads < num_k_heads) & (v_heads * 0 + slot >= 0)  # slot < 0: padding
-    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + v_heads * stride_vh + full, mask=v_rows)
-    x1, x2 = norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, dtype)
-    y = tl.dot(_join_halves(x1, x2, ROWS, HALF).to(dtype), h, input_precision=DOT_PRECISION)
-    q_dst = q_out_ptr + token.to(tl.int64) * num_q_heads * 2 * HALF + rows * 2 * HALF + full
-    tl.store(q_dst, y.to(dtype), mask=rows < num_q_heads)
-    key_rows = (rows >= num_q_heads) & valid & (rows * 0 + slot >= 0)
-    store_rows_keys(
-        y, cache_ptr, slot, rows - num_q_heads, key_rows, k_scale, num_k_heads, 2 * HALF,
-        2 * HALF, True,
-    )  # fmt: skip
-    store_rows_values(
-        v, cache_ptr, slot, v_heads, v_rows, v_scale, value_offset, num_k_heads, PAGE, 2 * HALF,
-        2 * HALF, True,
-    )  # fmt: skip
+    if last == 2:
+        _rope_keys_values(
+            k_ptr, v_ptr, k_out_ptr, cache_ptr, k_weight_ptr, k_scale, v_scale, token, slot,
+            stride_kt, stride_kh, stride_vt, stride_vh, value_offset, num_k_heads, eps,
+            c1, c2, s1, s2, h, HAS_NORM, WRITE_KV, HALF, BLOCK_HK, PAGE, FP8, ROTATE,
+            DOT_PRECISION, dtype,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -704,15 +639,6 @@ def rotary_token_group(num_tokens: int) -> int:
     return ROTARY_LARGE_LAUNCH_GROUP if num_tokens >= ROTARY_GROUP_MIN_TOKENS else 1
 
 
-def _keys_follow_queries(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether k's heads are q's rows after its last head: the same token and head strides,
-    and k starting one head stride past q's last head (q and k split from one projection)."""
-    return (
-        k.dtype == q.dtype and k.device == q.device and k.stride() == q.stride()
-        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
-    )  # fmt: skip
-
-
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     k: torch.Tensor,  # [T, Hkv, D], last dim contiguous
@@ -773,10 +699,6 @@ def qk_norm_rope(
     split = ROTARY_SPLIT_QK and num_tokens < ROTARY_SPLIT_MAX_TOKENS
     parts = 2 if split else 1
     group = rotary_token_group(num_tokens) if rotates else 1
-    joint = (
-        ROTARY_JOINT_QK and not split and group == 1 and rotate and rotate_queries and write_kv
-        and _keys_follow_queries(q, k)
-    )  # fmt: skip
     if group < 1 or group & (group - 1):
         raise ValueError(
             "ROTARY_TOKEN_GROUP and ROTARY_LARGE_LAUNCH_GROUP must be powers of two"
@@ -824,7 +746,6 @@ def qk_norm_rope(
         GROUP=group,
         GROUP_HQ=triton.next_power_of_2(num_q_heads),
         GROUP_HK=triton.next_power_of_2(k.shape[1]),
-        JOINT_ROWS=max(16, triton.next_power_of_2(num_q_heads + k.shape[1])) if joint else 0,
         num_warps=ROTARY_GROUP_NUM_WARPS if group > 1 else ROTARY_FP8_NUM_WARPS if rotates else 4,
         enable_fp_fusion=False,
         **pdl_launch(q.device),

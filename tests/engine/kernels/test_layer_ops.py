@@ -375,9 +375,6 @@ def _rotary_equal_switch_case(
     def run() -> tuple[torch.Tensor, ...]:
         return _rotary_run(case, cache_dtype, kv_scale, rotate_queries=fp8)
 
-    # one program a token with the query and key heads in one product sums a row in another
-    # order on a GPU (test_rotary_joint_product_*): here the two products in turn
-    monkeypatch.setattr(layer_ops, "ROTARY_JOINT_QK", False)
     monkeypatch.setattr(layer_ops, switch, False)
     before = run()
     monkeypatch.setattr(layer_ops, switch, True)
@@ -500,64 +497,11 @@ def test_rotary_token_groups_with_queries_unrotated(
     )  # fmt: skip
 
 
-def _rotary_joint_case(
-    device: torch.device,
-    monkeypatch: pytest.MonkeyPatch,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int, int],
-    with_norm: bool = True,
-    adjacent: bool = True,
-) -> None:
-    """An FP8 cache's rotary launch in one program a token, the query and key heads as the rows
-    of one product with H (`ROTARY_JOINT_QK`), against two products in turn and against two
-    programs a token: the same rotated queries and cache bytes, under Triton's interpreter
-    exactly, on a GPU but for the matrix units' summation order. `adjacent` False: k is a
-    tensor of its own, so the launch cannot take the joint rows (and must not misread)."""
-    torch.manual_seed(15)
-    _, _, kv_heads, _ = shape
-    cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
-    if not adjacent:
-        k = k.clone()
-    assert layer_ops._keys_follow_queries(q, k) == adjacent
-    if not with_norm:
-        weights = (None, None)
-    kv_scale = (0.02 + 0.2 * torch.rand(2, kv_heads, device=device)).contiguous()
-    case = (cos, sin, q, k, v, weights, slots, blocks, page)
-
-    def run(split: bool, joint: bool) -> tuple[torch.Tensor, ...]:
-        monkeypatch.setattr(layer_ops, "ROTARY_SPLIT_QK", split)
-        monkeypatch.setattr(layer_ops, "ROTARY_JOINT_QK", joint)
-        return _rotary_run(case, torch.float8_e4m3fn, kv_scale, rotate_queries=True)
-
-    joint, in_turn, split = run(False, True), run(False, False), run(True, True)
-    assert bool((joint[1] != 0).any()) and bool((joint[0] != 0).any())
-    for other in (in_turn, split):
-        if device.type != "cuda" or not adjacent:
-            assert all(torch.equal(a, b) for a, b in zip(joint, other, strict=True))
-        else:
-            _assert_within_summation_order(joint[0], other[0], joint[1], other[1])
-
-
-@pytest.mark.parametrize("with_norm", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_joint_product_stores_the_same_bytes(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, with_norm: bool
-) -> None:
-    """5 tokens (one a padding slot), 4 query heads and 2 KV heads: 6 rows padded to 16."""
-    _rotary_joint_case(device, monkeypatch, dtype, (5, 4, 2, 16), with_norm)
-
-
-def test_rotary_joint_product_needs_keys_after_queries(
+def test_rotary_split_below_a_threshold(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _rotary_joint_case(device, monkeypatch, torch.float32, (3, 4, 2, 16), adjacent=False)
-
-
-def test_rotary_joint_rows_at_a_split_threshold(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`ROTARY_SPLIT_MAX_TOKENS`: a launch below it splits, one at it takes the joint rows; both
-    store what two programs a token store."""
+    """`ROTARY_SPLIT_MAX_TOKENS`: a launch below it takes two programs a token, one at it one
+    program a token, and both store the same bytes."""
     torch.manual_seed(16)
     shape = (6, 4, 2, 16)
     cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(
@@ -565,27 +509,21 @@ def test_rotary_joint_rows_at_a_split_threshold(
     )
     kv_scale = (0.02 + 0.2 * torch.rand(2, 2, device=device)).contiguous()
     case = (cos, sin, q, k, v, weights, slots, blocks, page)
-    reference = _rotary_run(case, torch.float8_e4m3fn, kv_scale, rotate_queries=True)
+    kernel = layer_ops._qk_norm_rope_kernel
+    grids: list[tuple[int, ...]] = []
+
+    class Recorded:  # the launches' grids, each launch run as it is
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(layer_ops, "_qk_norm_rope_kernel", Recorded())
+    results = []
     for threshold in (6, 7):
         monkeypatch.setattr(layer_ops, "ROTARY_SPLIT_MAX_TOKENS", threshold)
-        got = _rotary_run(case, torch.float8_e4m3fn, kv_scale, rotate_queries=True)
-        if device.type != "cuda":
-            assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
-        else:
-            _assert_within_summation_order(got[0], reference[0], got[1], reference[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 256])
-def test_rotary_joint_product_real_shapes(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, tokens: int
-) -> None:
-    """W2's one token (Llama-3.1-8B heads: 40 rows padded to 64, no q/k norms) and a W1
-    decode step (Qwen3-0.6B heads: 24 rows padded to 32)."""
-    heads = (32, 8) if tokens == 1 else (16, 8)
-    _rotary_joint_case(
-        device, monkeypatch, torch.bfloat16, (tokens, *heads, 128), with_norm=tokens != 1
-    )
+        results.append(_rotary_run(case, torch.float8_e4m3fn, kv_scale, rotate_queries=True))
+    assert grids == [(6, 1), (6, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_rotary_token_group_must_be_a_power_of_two(

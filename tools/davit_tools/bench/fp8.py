@@ -958,10 +958,9 @@ VARIANTS = {
         )
         for suffix, per_sm in (("", 0), ("-2", 2), ("-4", 4))
     },
-    # the rotary kernel in one program a token (layer_ops.ROTARY_SPLIT_QK off): an FP8 cache's
-    # query and key heads the rows of one product with H (ROTARY_JOINT_QK, on by default),
-    # `-in-turn` two products in turn as before run 27, `-16w` at 16 warps; `-split-below-N`:
-    # two programs a token only at launches of fewer than N tokens (ROTARY_SPLIT_MAX_TOKENS)
+    # the rotary kernel in one program a token, queries then keys and values, as before run 27
+    # (layer_ops.ROTARY_SPLIT_QK off; `-16w`: at 16 warps); `-split-below-N`: two programs a
+    # token only at launches of fewer than N tokens (ROTARY_SPLIT_MAX_TOKENS)
     **{
         f"{base}-rotary-{suffix}": Variant(
             f"{base}-rotary-{suffix}",
@@ -972,7 +971,6 @@ VARIANTS = {
         for base, quantization, kv in _BASES
         for suffix, switches in (
             ("one", (("ROTARY_SPLIT_QK", False),)),
-            ("one-in-turn", (("ROTARY_SPLIT_QK", False), ("ROTARY_JOINT_QK", False))),
             ("one-16w", (("ROTARY_SPLIT_QK", False), ("ROTARY_FP8_NUM_WARPS", 16))),
             ("split-below-16", (("ROTARY_SPLIT_MAX_TOKENS", 16),)),
             ("split-below-64", (("ROTARY_SPLIT_MAX_TOKENS", 64),)),
