@@ -654,9 +654,10 @@ def qk_norm_rope(
     rotate_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half rotary: two programs per token
-    (`ROTARY_SPLIT_QK`, the default: the queries in one, the keys, values and cache write in
-    the other), or one doing both in turn; where it rotates, a program may take a group of
-    tokens instead of one (`ROTARY_TOKEN_GROUP`).
+    (`ROTARY_SPLIT_QK`, the default, at launches of fewer than `ROTARY_SPLIT_MAX_TOKENS`
+    tokens: the queries in one, the keys, values and cache write in the other), or one doing
+    both in turn; where it rotates, a program may take a group of tokens instead of one
+    (`ROTARY_TOKEN_GROUP`).
 
     Returns (q, k). With `kv_cache` (and `v`, `slot_mapping`) the rotated keys and the values go
     straight into the paged cache at each token's slot, as `kernels.kv_cache.write_kv` would
