@@ -17,6 +17,7 @@ from unittest import mock
 import torch
 
 from davit_engine.kernels import layer_ops
+from davit_tools.bench.fp8 import rotary_step
 from davit_tools.bench.timing import graph_us
 
 CASES = (("w1-decode", 256, 16, 8), ("w1-prefill", 8192, 16, 8), ("w2", 1, 32, 8))
@@ -34,21 +35,10 @@ FORM_CASES = tuple((f"t{tokens}", tokens, *heads) for tokens in (1, 16, 64, 128,
 
 
 def case(label: str, tokens: int, hq: int, hkv: int, forms: bool = False) -> dict[str, object]:
-    dim, page = 128, 16
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(tokens, hq + 2 * hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-    angles = torch.rand(tokens, dim // 2, device="cuda", generator=gen) * 6.28
-    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)
-    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(2, dim, device="cuda", generator=gen)).to(torch.bfloat16)
-    blocks = tokens // page + 4
-    slots = torch.randperm(blocks * page, device="cuda", generator=gen)[:tokens]
-    scale = torch.full((2, hkv), 0.05, device="cuda")
-    caches = {
-        dtype: torch.zeros(2, blocks, page, hkv, dim, device="cuda").to(dtype)
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn)
-    }
+    step = rotary_step(tokens, hq, hkv)
+    q, k, v, cos, sin, w = (step[key] for key in ("q", "k", "v", "cos", "sin", "weights"))
+    slots, scale = step["slots"], step["kv_scale"]
+    caches = {torch.bfloat16: step["caches"][False], torch.float8_e4m3fn: step["caches"][True]}
 
     def launch(dtype: torch.dtype, rotate_queries: bool) -> None:
         fp8 = dtype != torch.bfloat16
