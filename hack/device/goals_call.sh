@@ -5,6 +5,8 @@
 # decode tile if the sweep found one more than 2% faster over W1's steps, and two switches. On another card: only $H100_CMD, if set.
 #   [H100_CMD='bench --sections w2-profile ...'] bash hack/device/goals_call.sh  (writes under $OUT)
 set -u
+# env.sh is sourced from the repository root, where the device runs commands
+# shellcheck source=/dev/null
 . hack/device/env.sh
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)

@@ -73,9 +73,7 @@ def e2e(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
     kube_cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", str(default_crd_path())
     )
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/inferenceservices.serving.davit.dev"
-    )
+    kube_cluster.wait_established("crd/inferenceservices.serving.davit.dev")
     kube_cluster.kubectl("create", "namespace", namespace)
     volume = host_path_claim(pv, namespace, CLAIM, models, "1Gi", "ReadOnlyMany")
     kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(volume))

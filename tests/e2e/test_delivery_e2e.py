@@ -168,16 +168,7 @@ def env(kube_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
     kube_cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", str(default_crd_path())
     )
-    deadline = time.monotonic() + 60
-    # A CRD applied a moment ago may have no conditions yet: kubectl wait then errors at once.
-    while kube_cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/inferenceservices.serving.davit.dev",
-        check=False,
-    ).returncode:
-        assert time.monotonic() < deadline, "the InferenceService CRD was not established"
-        time.sleep(0.5)
+    kube_cluster.wait_established("crd/inferenceservices.serving.davit.dev")
     kube_cluster.kubectl("create", "namespace", namespace)
     objects = host_path_claim(pv, namespace, CACHE_CLAIM, cache_dir, "10Gi", "ReadWriteMany")
     kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))

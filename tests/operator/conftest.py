@@ -24,9 +24,7 @@ def isvc_crd(kube_cluster: LocalCluster) -> str:
     kube_cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", str(default_crd_path())
     )
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/inferenceservices.serving.davit.dev"
-    )
+    kube_cluster.wait_established("crd/inferenceservices.serving.davit.dev")
     deadline = time.monotonic() + 30
     while kube_cluster.kubectl("get", "infsvc", "-A", check=False).returncode != 0:
         if time.monotonic() > deadline:
@@ -105,4 +103,4 @@ def install_gateway_crds(cluster: LocalCluster, files: list[Path]) -> None:
     for path in files:
         group, plural = path.name.removesuffix(".yaml").split("_", 1)
         names.append(f"crd/{plural}.{group}")
-    cluster.kubectl("wait", "--for=condition=Established", *names)
+    cluster.wait_established(*names)

@@ -33,9 +33,7 @@ def chart_crds(kube_cluster: LocalCluster) -> None:
     """The chart's CRDs, installed the way helm does before any template (and left installed,
     as helm leaves them)."""
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{n}" for n in CRD_NAMES)
-    )
+    kube_cluster.wait_established(*(f"crd/{n}" for n in CRD_NAMES))
 
 
 @pytest.fixture

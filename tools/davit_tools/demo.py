@@ -78,9 +78,7 @@ def run_demo(example_names: list[str], timeout: float) -> int:
             print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product").stdout)
             _section("installing the InferenceService CRD")
             cluster.kubectl("apply", "--server-side", "-f", str(default_crd_path()))
-            cluster.kubectl(
-                "wait", "--for=condition=Established", "crd/inferenceservices.serving.davit.dev"
-            )
+            cluster.wait_established("crd/inferenceservices.serving.davit.dev")
             cluster.kubectl("create", "namespace", NAMESPACE)
             _section(f"running `davit operator --namespace {NAMESPACE}`")
             log = (Path(tmp) / "operator.log").open("wb")

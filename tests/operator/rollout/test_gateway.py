@@ -109,9 +109,7 @@ def test_canary_weights_land_on_the_httproute(
 ) -> None:
     crd = _httproute_crd()
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/httproutes.gateway.networking.k8s.io"
-    )
+    kube_cluster.wait_established("crd/httproutes.gateway.networking.k8s.io")
     route = {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",

@@ -179,6 +179,25 @@ class LocalCluster:
             )
         return result
 
+    def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
+        """Waits until the CRDs (``crd/NAME``) are Established. A CRD applied a moment ago may
+        have no conditions yet, and ``kubectl wait`` then fails at once instead of waiting
+        ("accessor error"): that failure is retried until ``timeout``; any other raises."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1, int(deadline - time.monotonic()))
+            result = self.kubectl(
+                "wait", "--for=condition=Established", f"--timeout={left}s", *crds, check=False
+            )
+            if result.returncode == 0:
+                return
+            output = result.stderr.strip() or result.stdout.strip()
+            if "accessor error" not in output or time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{', '.join(crds)} not Established within {timeout:.0f} s: {output}"
+                )
+            time.sleep(0.2)
+
     def kubectl_json(self, *args: str) -> Any:
         """``kubectl <args> -o json``, parsed."""
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
