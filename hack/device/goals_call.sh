@@ -3,7 +3,8 @@
 # (three interleaved rounds), then as GOALS_BUDGET_S allows the FP8 decode tiles and the
 # one-row product tiles at this card's bandwidth, the read ceiling, W1 again in the best
 # decode tile if the sweep found one more than 2% faster over W1's steps, and two switches. On another card: only $H100_CMD, if set.
-#   [H100_CMD='bench --sections w2-profile ...'] bash hack/device/goals_call.sh  (writes under $OUT)
+#   [H100_CMD='bench --sections w2-profile ...'] [GOALS_BUDGET_S=450] [GOALS_ROUNDS=3] \
+#   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head,bf16] bash hack/device/goals_call.sh  (under $OUT)
 set -u
 # env.sh is sourced from the repository root, where the device runs commands
 # shellcheck source=/dev/null
@@ -16,8 +17,8 @@ case "$GPU" in
 *H200*)
   # in order of need, each step only while GOALS_BUDGET_S (default 450) leaves it time
   budget=${GOALS_BUDGET_S:-450}
-  bench --sections w1,w2 --rounds 3 --deadline-s 120 \
-    --w1-variants bf16,fp8-kv --w2-variants fp8-both,fp8-both-lm-head,bf16
+  bench --sections w1,w2 --rounds "${GOALS_ROUNDS:-3}" --deadline-s 120 --w1-variants bf16,fp8-kv \
+    --w2-variants "${GOALS_W2_VARIANTS:-fp8-both,fp8-both-lm-head,bf16}"
   if [ $SECONDS -lt $((budget - 120)) ]; then
     bench --sections decode-tiles,gemm --gemm-rows 1 --gemm-configs "" --deadline-s 100 \
       --gemv-configs "8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;8/512/4/0/3;8/512/4/0/4;4/1024/4/0/4"
