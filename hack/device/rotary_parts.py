@@ -35,10 +35,8 @@ FORM_CASES = tuple((f"t{tokens}", tokens, *heads) for tokens in (1, 16, 64, 128,
 
 
 def case(label: str, tokens: int, hq: int, hkv: int, forms: bool = False) -> dict[str, object]:
-    step = rotary_step(tokens, hq, hkv)
-    q, k, v, cos, sin, w = (step[key] for key in ("q", "k", "v", "cos", "sin", "weights"))
-    slots, scale = step["slots"], step["kv_scale"]
-    caches = {torch.bfloat16: step["caches"][False], torch.float8_e4m3fn: step["caches"][True]}
+    q, k, v, cos, sin, w, slots, scale, by_fp8 = rotary_step(tokens, hq, hkv)
+    caches = {torch.bfloat16: by_fp8[False], torch.float8_e4m3fn: by_fp8[True]}
 
     def launch(dtype: torch.dtype, rotate_queries: bool) -> None:
         fp8 = dtype != torch.bfloat16

@@ -75,10 +75,24 @@ def store_token_kv(  # type: ignore[no-untyped-def]
     shared by `write_kv` and the rotary kernel that writes the cache itself, so both store the
     same bytes."""
     heads = tl.arange(0, BLOCK_H)[:, None]
+    k_scale, v_scale = kv_scales(scale_ptr, heads, heads < num_heads, num_heads, FP8)
     store_rows_kv(
-        k, v, cache_ptr, slot, heads, heads < num_heads, scale_ptr, value_offset, num_heads,
-        PAGE, HEAD_DIM, BLOCK_D, FP8, ROTATE, DOT_PRECISION, h,
+        k, v, cache_ptr, slot, heads, heads < num_heads, k_scale, v_scale, value_offset,
+        num_heads, PAGE, HEAD_DIM, BLOCK_D, FP8, ROTATE, DOT_PRECISION, h,
     )  # fmt: skip
+
+
+@triton.jit
+def kv_scales(scale_ptr, heads, valid, num_heads, FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+    """An FP8 cache's key and value scales of each row's head (`[ROWS, 1]` float32 each, 1.0
+    where not `valid`), from the layer's `[2, num_heads]` table; 1.0 for a cache in the model
+    dtype."""
+    if FP8:
+        k_scale = tl.load(scale_ptr + heads, mask=valid, other=1.0)
+        v_scale = tl.load(scale_ptr + num_heads + heads, mask=valid, other=1.0)
+        return k_scale, v_scale
+    else:
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -89,7 +103,8 @@ def store_rows_kv(  # type: ignore[no-untyped-def]
     slot,  # [ROWS, 1] int64: each row's token's flat slot (or a scalar for one token)
     heads,  # [ROWS, 1]: each row's KV head
     valid,  # [ROWS, 1]: the rows to store (a real head of a token with a slot)
-    scale_ptr,
+    k_scale,  # [ROWS, 1] float32 each: the rows' scales (`kv_scales`; unused unless FP8)
+    v_scale,
     value_offset,
     num_heads,
     PAGE: tl.constexpr,
@@ -104,60 +119,19 @@ def store_rows_kv(  # type: ignore[no-untyped-def]
     layout (module docstring): `store_token_kv` for one token, the rotary kernel's token groups
     for several. A row's bytes do not depend on the other rows (the rotation is a product of
     the row with H), so one token stores the same bytes either way."""
-    k_scale = tl.load(scale_ptr + heads, mask=valid, other=1.0) if FP8 else 1.0
-    v_scale = tl.load(scale_ptr + num_heads + heads, mask=valid, other=1.0) if FP8 else 1.0
-    if FP8 and ROTATE:  # k @ H on the matrix units (16 rows or more; exact products)
-        k = tl.dot(k, h, input_precision=DOT_PRECISION)
-    store_rows_keys(k, cache_ptr, slot, heads, valid, k_scale, num_heads, HEAD_DIM, BLOCK_D, FP8)
-    store_rows_values(
-        v, cache_ptr, slot, heads, valid, v_scale, value_offset, num_heads, PAGE, HEAD_DIM,
-        BLOCK_D, FP8,
-    )  # fmt: skip
-
-
-@triton.jit
-def store_rows_keys(  # type: ignore[no-untyped-def]
-    k,  # [ROWS, BLOCK_D] keys, already rotated where an FP8 cache rotates them
-    cache_ptr,
-    slot,  # [ROWS, 1] int64 (or a scalar for one token)
-    heads,  # [ROWS, 1]: each row's KV head
-    valid,  # [ROWS, 1]: the rows to store
-    k_scale,  # [ROWS, 1] float32: each row's head's key scale (an FP8 cache; else unused)
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """The key half of `store_rows_kv`: rows quantized (an FP8 cache) and stored key-major."""
     dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = valid & (dims < HEAD_DIM)
     if FP8:
+        if ROTATE:  # k @ H on the matrix units (16 rows or more; exact products)
+            k = tl.dot(k, h, input_precision=DOT_PRECISION)
         k = to_cache_e4m3(k, k_scale)
-    dst = cache_ptr + key_offsets(slot, heads, dims, num_heads, HEAD_DIM)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=valid & (dims < HEAD_DIM))
-
-
-@triton.jit
-def store_rows_values(  # type: ignore[no-untyped-def]
-    v,  # [ROWS, BLOCK_D] values in the model dtype
-    cache_ptr,
-    slot,
-    heads,
-    valid,
-    v_scale,  # [ROWS, 1] float32 (an FP8 cache; else unused)
-    value_offset,
-    num_heads,
-    PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """The value half of `store_rows_kv`: rows quantized (an FP8 cache) and stored beside the
-    keys, key-minor in an FP8 cache."""
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    if FP8:
         v = to_cache_e4m3(v, v_scale)
-    dst = cache_ptr + value_offsets(slot, heads, dims, num_heads, value_offset, PAGE, HEAD_DIM, FP8)
-    tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=valid & (dims < HEAD_DIM))
+    dst = cache_ptr + key_offsets(slot, heads, dims, num_heads, HEAD_DIM)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    v_dst = cache_ptr + value_offsets(
+        slot, heads, dims, num_heads, value_offset, PAGE, HEAD_DIM, FP8
+    )
+    tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -14,12 +14,7 @@ import triton
 import triton.language as tl
 
 from davit_engine.kernels.fp8 import hadamard_operand
-from davit_engine.kernels.kv_cache import (
-    head_tile_rows,
-    store_rows_keys,
-    store_rows_kv,
-    store_rows_values,
-)
+from davit_engine.kernels.kv_cache import head_tile_rows, kv_scales, store_rows_kv
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import hadamard, is_fp8, rotates_keys
 
@@ -259,34 +254,23 @@ def _norm_rope_heads(  # type: ignore[no-untyped-def]
     src = x_ptr + token.to(tl.int64) * stride_t + heads * stride_h + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    w1, w2 = _norm_weights(weight_ptr, HAS_NORM, HALF)
-    return norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
-
-
-@triton.jit
-def _norm_weights(weight_ptr, HAS_NORM: tl.constexpr, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
-    """A per-head RMSNorm's weight as its halves, fp32 `[1, HALF]` each (0 without a norm)."""
-    if HAS_NORM:
-        dims = tl.arange(0, HALF)[None, :]
-        w1 = tl.load(weight_ptr + dims).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
-        return w1, w2
-    else:
-        return 0.0, 0.0
+    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
 
 
 @triton.jit
 def norm_rope_halves(  # type: ignore[no-untyped-def]
-    x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+    x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
     DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Heads given as their halves (fp32 values of DTYPE, `[rows, HALF]` each): normed
-    (optionally, by the norm weight's halves `w1`, `w2`, fp32 values broadcast to the rows) and
-    rotated, each rounding where the torch layers round: the arithmetic of the rotary kernel's
-    `_norm_rope_heads`."""
+    (optionally) and rotated, each rounding where the torch layers round: the arithmetic of the
+    rotary kernel's `_norm_rope_heads`."""
+    dims = tl.arange(0, HALF)[None, :]
     if HAS_NORM:  # per-head RMSNorm (Qwen3's q_norm / k_norm), rounded like the torch layer
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         inv = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(weight_ptr + dims).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
         x1 = _round(_round(x1 * inv, DTYPE) * w1, DTYPE)
         x2 = _round(_round(x2 * inv, DTYPE) * w2, DTYPE)
     # rotate-half: out = x * cos + cat(-x2, x1) * sin, each product materialised like torch's
@@ -412,14 +396,11 @@ def _qk_norm_rope_token(  # type: ignore[no-untyped-def]
     slot = tl.load(slot_ptr + token).to(tl.int64) if WRITE_KV else 0  # negative: padding
     # one Hadamard tile for the queries' and the keys' products
     h = hadamard_operand(h_ptr, 2 * HALF, dtype, H_FROM_MEMORY) if ROTATE or ROTATE_Q else 0
-    if WRITE_KV and FP8:  # the keys' program's cache scales, a head a row
-        kv_heads = tl.arange(0, BLOCK_HK)[:, None]
-        k_scale = tl.load(scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
-        v_scale = tl.load(
-            scale_ptr + num_k_heads + kv_heads, mask=kv_heads < num_k_heads, other=1.0
-        )
-    else:
-        k_scale, v_scale = 1.0, 1.0
+    # the keys' program's cache scales, a head a row (an FP8 cache)
+    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    k_scale, v_scale = kv_scales(
+        scale_ptr, kv_heads, kv_heads < num_k_heads, num_k_heads, WRITE_KV and FP8
+    )
     if EARLY:
         gdc_enter(USE_GDC)
     # this program's parts: [first, last) of (queries, keys and values). Keep this form: for
@@ -475,7 +456,7 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
     cache at `slot` (WRITE_KV; negative: padding, skipped), or returned. The values are read
     beside the keys, before any arithmetic, and an FP8 cache's scales (`[BLOCK_HK, 1]` each)
     come read already (before the wait for the kernel before), so the store is not a second
-    round trip to memory; the bytes are `write_kv`'s (`store_rows_keys`, `store_rows_values`)."""
+    round trip to memory; the bytes are `write_kv`'s (`store_rows_kv`)."""
     heads = tl.arange(0, BLOCK_HK)[:, None]
     full = tl.arange(0, 2 * HALF)[None, :]
     if WRITE_KV:
@@ -490,14 +471,9 @@ def _rope_keys_values(  # type: ignore[no-untyped-def]
         # Straight into the paged cache at the token's slot.
         if FP8:  # quantized (keys rotated) by the code `write_kv` runs: the same bytes
             k = _join_halves(k1, k2, BLOCK_HK, HALF).to(dtype)
-            if ROTATE:  # k @ H on the matrix units (16 rows; exact products)
-                k = tl.dot(k, h, input_precision=DOT_PRECISION)
-            store_rows_keys(
-                k, cache_ptr, slot, heads, stored, k_scale, num_k_heads, 2 * HALF, 2 * HALF, True
-            )  # fmt: skip
-            store_rows_values(
-                v, cache_ptr, slot, heads, stored, v_scale, value_offset, num_k_heads, PAGE,
-                2 * HALF, 2 * HALF, True,
+            store_rows_kv(
+                k, v, cache_ptr, slot, heads, stored, k_scale, v_scale, value_offset,
+                num_k_heads, PAGE, 2 * HALF, 2 * HALF, True, ROTATE, DOT_PRECISION, h,
             )  # fmt: skip
         else:
             k_dst = cache_ptr + slot * num_k_heads * 2 * HALF
@@ -542,8 +518,7 @@ def _norm_rope_rows(  # type: ignore[no-untyped-def]
     c2 = _round(tl.load(cos_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
     s1 = _round(tl.load(sin_ptr + row + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
     s2 = _round(tl.load(sin_ptr + row + HALF + dims, mask=valid, other=0.0).to(tl.float32), DTYPE)
-    w1, w2 = _norm_weights(weight_ptr, HAS_NORM, HALF)
-    return norm_rope_halves(x1, x2, w1, w2, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
+    return norm_rope_halves(x1, x2, weight_ptr, eps, c1, c2, s1, s2, HAS_NORM, HALF, DTYPE)
 
 
 @triton.jit
@@ -623,9 +598,10 @@ def _qk_norm_rope_group(  # type: ignore[no-untyped-def]
                 v_ptr + tokens * stride_vt + heads * stride_vh + full, mask=stored, other=0.0
             )
             k = _join_halves(k1, k2, ROWS_K, HALF).to(dtype)
+            k_scale, v_scale = kv_scales(scale_ptr, heads, stored, num_k_heads, FP8)
             store_rows_kv(
-                k, v, cache_ptr, slot, heads, stored, scale_ptr, value_offset, num_k_heads, PAGE,
-                2 * HALF, 2 * HALF, FP8, ROTATE, DOT_PRECISION, h,
+                k, v, cache_ptr, slot, heads, stored, k_scale, v_scale, value_offset,
+                num_k_heads, PAGE, 2 * HALF, 2 * HALF, FP8, ROTATE, DOT_PRECISION, h,
             )  # fmt: skip
         else:
             _store_rows(k_out_ptr, tokens, heads, valid, num_k_heads, k1, k2, HALF)

@@ -70,7 +70,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -652,32 +652,46 @@ def section_rotary(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def rotary_step(tokens: int, hq: int, hkv: int) -> dict[str, Any]:
+class RotaryStep(NamedTuple):
+    """A rotary launch's inputs (`rotary_step`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weights: torch.Tensor  # [2, D]: the q and k norm weights
+    slots: torch.Tensor
+    kv_scale: torch.Tensor  # an FP8 cache's [2, Hkv] scales
+    caches: dict[bool, torch.Tensor]  # an empty cache of each kind, keyed by "FP8"
+
+
+def rotary_step(tokens: int, hq: int, hkv: int) -> RotaryStep:
     """A rotary launch's inputs on the GPU (seeded): q, k and v as views of one projection
     (`tokens` x heads of 128, bf16), cos, sin, the q/k norm weights, each token's cache slot,
-    an FP8 cache's scales and an empty cache of each kind (`caches[fp8]`, fp8 a bool)."""
+    an FP8 cache's scales and an empty cache of each kind."""
     dim, page = 128, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(tokens, hq + 2 * hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
     angles = torch.rand(tokens, dim // 2, device="cuda", generator=gen) * 6.28
     weights = (1 + 0.1 * torch.randn(2, dim, device="cuda", generator=gen)).to(torch.bfloat16)
     blocks = tokens // page + 4
-    return {
-        "q": qkv[:, :hq],
-        "k": qkv[:, hq : hq + hkv],
-        "v": qkv[:, hq + hkv :],
-        "cos": torch.cat((angles, angles), -1).cos().to(torch.bfloat16),
-        "sin": torch.cat((angles, angles), -1).sin().to(torch.bfloat16),
-        "weights": weights,
-        "slots": torch.randperm(blocks * page, device="cuda", generator=gen)[:tokens],
-        "kv_scale": torch.full((2, hkv), 0.05, device="cuda"),
-        "caches": {
+    return RotaryStep(
+        q=qkv[:, :hq],
+        k=qkv[:, hq : hq + hkv],
+        v=qkv[:, hq + hkv :],
+        cos=torch.cat((angles, angles), -1).cos().to(torch.bfloat16),
+        sin=torch.cat((angles, angles), -1).sin().to(torch.bfloat16),
+        weights=weights,
+        slots=torch.randperm(blocks * page, device="cuda", generator=gen)[:tokens],
+        kv_scale=torch.full((2, hkv), 0.05, device="cuda"),
+        caches={
             fp8: torch.zeros(2, blocks, page, hkv, dim, device="cuda").to(
                 torch.float8_e4m3fn if fp8 else torch.bfloat16
             )
             for fp8 in (False, True)
         },
-    }
+    )
 
 
 def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) -> dict[str, Any]:
@@ -685,11 +699,7 @@ def _rotary_row(label: str, tokens: int, hq: int, hkv: int, configs: list[str]) 
     from davit_tools.bench.timing import graph_us
 
     dim = 128
-    step = rotary_step(tokens, hq, hkv)
-    q, k, v, cos, sin = step["q"], step["k"], step["v"], step["cos"], step["sin"]
-    weights, slots, kv_scale, caches = (
-        step["weights"], step["slots"], step["kv_scale"], step["caches"]
-    )  # fmt: skip
+    q, k, v, cos, sin, weights, slots, kv_scale, caches = rotary_step(tokens, hq, hkv)
 
     def launch(fp8: bool) -> torch.Tensor:
         out, _ = layer_ops.qk_norm_rope(
