@@ -19,6 +19,11 @@ QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # --lm-head-quantization (no upstream flag): the LM head's weight in FP8 too. Lossy beyond the
 # projections' FP8; never on unless asked.
 LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --fp8-block-scales (no upstream flag): how block-wise FP8 checkpoints are served. "channel"
+# re-quantizes them to one scale per output channel at load (the tuned per-channel products;
+# one more e4m3 rounding of some values), "native" multiplies with the checkpoint's own block
+# scales (its values exactly; quant/fp8_block_linear.py).
+FP8_BLOCK_SCALES: tuple[str, ...] = ("channel", "native")
 # --kv-offloading-backend values: upstream also names "lmcache" (an external server).
 KV_OFFLOADING_BACKENDS: tuple[str, ...] = ("native",)
 # Tensor-parallel ranks are processes of one pod, so of one host: at most its GPUs.
@@ -42,6 +47,8 @@ class EngineConfig:
     kv_cache_dtype: KvCacheDType = "auto"
     # The LM head's weight in FP8 (per-row scales; the embedding keeps the model dtype).
     lm_head_quantization: Quantization | None = None
+    # Block-wise FP8 checkpoints: "channel" (re-quantized at load) or "native" (their scales).
+    fp8_block_scales: str = "channel"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from the model config, capped by KV capacity
@@ -129,6 +136,11 @@ class EngineConfig:
                 "--lm-head-quantization",
                 f"must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}, got "
                 f"{self.lm_head_quantization!r}",
+            )
+        if self.fp8_block_scales not in FP8_BLOCK_SCALES:
+            raise ParamError(
+                "--fp8-block-scales",
+                f"must be one of {', '.join(FP8_BLOCK_SCALES)}, got {self.fp8_block_scales!r}",
             )
         if self.speculative_config is not None:
             self.speculative_config.validate()

@@ -127,7 +127,8 @@ def test_fp8_weights_and_kv_on_two_ranks_stay_close_to_one() -> None:
 
 def test_fp8_checkpoints_are_cut_per_rank(qwen3_tiny_dir: Path, tmp_path: Path) -> None:
     """A checkpoint with per-tensor and per-channel scales, and a block-wise one (converted to
-    channel scales before it is cut), give the single-device tokens on two ranks."""
+    channel scales before it is cut, or served with its own scales, cut with them), give the
+    single-device tokens on two ranks."""
     from davit_engine.config import EngineConfig
     from davit_engine.loader import load_model
     from davit_tools.bench.fp8_quality import write_block_fp8_checkpoint
@@ -137,10 +138,10 @@ def test_fp8_checkpoints_are_cut_per_rank(qwen3_tiny_dir: Path, tmp_path: Path) 
     config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
     weights = list(load_file(str(qwen3_tiny_dir / "model.safetensors")).items())
     write_block_fp8_checkpoint(config, weights, tmp_path / "block", (32, 32))
-    for name in ("channel", "block"):
+    for name, args in (("channel", {}), ("block", {}), ("block", {"fp8_block_scales": "native"})):
         model = str(tmp_path / name)
-        whole = _greedy(model, 1, PROMPTS, tokenizer="byte")
-        assert _greedy(model, 2, PROMPTS, tokenizer="byte") == whole, name
+        whole = _greedy(model, 1, PROMPTS, tokenizer="byte", **args)
+        assert _greedy(model, 2, PROMPTS, tokenizer="byte", **args) == whole, (name, args)
 
 
 @pytest.mark.slow

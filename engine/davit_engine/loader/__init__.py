@@ -26,10 +26,15 @@ from davit_engine.layers.parallel import TensorParallel
 from davit_engine.layers.rotary import RotaryEmbedding
 from davit_engine.loader import gguf_file, safetensors_dir
 from davit_engine.loader.random_weights import fill_random, iter_random_weights
-from davit_engine.models.config import ModelConfig
+from davit_engine.models.config import ModelConfig, WeightBlocks
 from davit_engine.models.llama import LlamaAttention, LlamaForCausalLM
 from davit_engine.models.parallel import parallelize, rank_config, shard_weights
 from davit_engine.quant.block_fp8 import convert_block_scaled
+from davit_engine.quant.fp8_block_linear import (
+    Fp8BlockLinear,
+    install_fp8_block_projections,
+    prepare_block_projections,
+)
 from davit_engine.quant.fp8_linear import (
     install_fp8_projections,
     quantize_lm_head,
@@ -137,10 +142,13 @@ def build_empty(
     device: torch.device,
     fp8_projections: bool = False,
     tensor_parallel: TensorParallel | None = None,
+    fp8_block_group: int | None = None,
 ) -> LlamaForCausalLM:
     """The module with uninitialised weights of `dtype` on `device` (no default init cost);
-    with `fp8_projections`, the decoder projections are `Fp8Linear` (for FP8 checkpoints);
-    with `tensor_parallel`, one rank's part of the model (models/parallel.py)."""
+    with `fp8_projections`, the decoder projections are `Fp8Linear` (for FP8 checkpoints), or
+    with `fp8_block_group` too `Fp8BlockLinear` with scales per row and that many columns
+    (block-wise FP8 checkpoints served with their own scales); with `tensor_parallel`, one
+    rank's part of the model (models/parallel.py)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -150,7 +158,9 @@ def build_empty(
             else:
                 model = LlamaForCausalLM(rank_config(config, tensor_parallel.size))
                 parallelize(model, config, tensor_parallel)
-            if fp8_projections:
+            if fp8_projections and fp8_block_group is not None:
+                install_fp8_block_projections(model, fp8_block_group)
+            elif fp8_projections:
                 install_fp8_projections(model)
     finally:
         torch.set_default_dtype(previous)
@@ -203,19 +213,21 @@ def load_model(
     # holds its cut of the single-device quantization), so its model is built with FP8
     # projections like a pre-quantized checkpoint's.
     stream_quantized = tensor_parallel is not None and quantization == "fp8" and not prequantized
+    native_blocks = native_block_scales(config, model_config, kind)
     model = build_empty(
         model_config,
         dtype,
         device,
         fp8_projections=prequantized or stream_quantized,
         tensor_parallel=tensor_parallel,
+        fp8_block_group=native_blocks.cols if native_blocks is not None else None,
     )
     with torch.no_grad():
         if tensor_parallel is not None:
             if kind == "random":
                 weights = iter_random_weights(model_config, config.seed, device)
             elif kind == "safetensors":
-                weights = _safetensors_stream(config.model, model_config, device)
+                weights = _safetensors_stream(config.model, model_config, device, native_blocks)
             assert weights is not None
             if stream_quantized:
                 weights = quantize_weight_stream(weights, dtype, device)
@@ -227,8 +239,18 @@ def load_model(
             model.load_weights(weights, config.model)
         else:
             model.load_weights(
-                _safetensors_stream(config.model, model_config, device), config.model
+                _safetensors_stream(config.model, model_config, device, native_blocks),
+                config.model,
             )
+        if native_blocks is not None:
+            library = prepare_block_projections(model)
+            logger.info(
+                "%s: FP8 weights with a scale per %dx%d block, served with those scales "
+                "(--fp8-block-scales native; %d projections in the library's block-scaled "
+                "GEMM past %d rows where it runs)",
+                config.model, native_blocks.rows, native_blocks.cols, library,
+                Fp8BlockLinear.weight_only_max_rows,
+            )  # fmt: skip
         if stream_quantized:
             logger.info("quantized the decoder projections to fp8 (per-channel scales) as read")
         elif quantization == "fp8" and not prequantized:
@@ -277,14 +299,46 @@ def load_model(
     )
 
 
+def native_block_scales(
+    config: EngineConfig, model_config: ModelConfig, kind: str
+) -> WeightBlocks | None:
+    """The checkpoint's blocks where its block-wise FP8 weights are served with their own
+    scales (`--fp8-block-scales native`), else None. Under tensor parallelism each rank's cut
+    of a row-parallel projection (o_proj, down_proj: their input columns) must hold whole
+    groups of scales; otherwise ParamError naming the flag."""
+    blocks = model_config.weight_blocks
+    if config.fp8_block_scales != "native" or blocks is None or kind != "safetensors":
+        return None
+    size = config.tensor_parallel_size
+    if size > 1:
+        for what, columns in (
+            ("o_proj", model_config.num_heads * model_config.head_dim),
+            ("down_proj", model_config.intermediate_size),
+        ):
+            if columns % (size * blocks.cols):
+                raise ParamError(
+                    "--fp8-block-scales",
+                    f"native: {what}'s {columns} input columns split {size} ways "
+                    f"(--tensor-parallel-size) do not hold whole {blocks.cols}-column blocks "
+                    "of the checkpoint's scales on every rank; use --fp8-block-scales channel",
+                )
+    return blocks
+
+
 def _safetensors_stream(
-    model: str, model_config: ModelConfig, device: torch.device
+    model: str,
+    model_config: ModelConfig,
+    device: torch.device,
+    native_blocks: WeightBlocks | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A safetensors directory's tensors, block-wise FP8 weights converted to channel scales."""
+    """A safetensors directory's tensors, block-wise FP8 weights converted to channel scales,
+    or with `native_blocks` their block scales expanded per row."""
     tensors = safetensors_dir.iter_weights(Path(model))
     blocks = model_config.weight_blocks
     if blocks is None:
         return tensors
+    if native_blocks is not None:
+        return convert_block_scaled(tensors, blocks, model, device, native=True)
     logger.warning(
         "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one scale per "
         "output channel (values of blocks with a smaller scale than their row's largest are "

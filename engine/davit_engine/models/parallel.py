@@ -54,6 +54,10 @@ COLUMN_SCALE_SUFFIXES: tuple[str, ...] = tuple(
 )
 # Split by input columns: row-parallel (their outputs are partial sums, all-reduced).
 ROW_SUFFIXES: tuple[str, ...] = (".o_proj.weight", ".down_proj.weight")
+# Their FP8 scales per row and group of input columns (block-wise checkpoints served with their
+# own scales, quant/fp8_block_linear.py) follow the columns; the loader has checked that every
+# rank's columns hold whole groups. Per-channel or per-tensor scales stay whole.
+ROW_SCALE_SUFFIXES: tuple[str, ...] = tuple(suffix + "_scale" for suffix in ROW_SUFFIXES)
 # Split by vocabulary rows, padded to a multiple of the rank count.
 VOCAB_NAMES: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -113,14 +117,17 @@ def shard_weights(
     weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig, tp: TensorParallel
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The rank's part of each checkpoint tensor (names unchanged; other tensors whole). FP8
-    weights come with one scale per output channel or per projection (block scales are
-    converted to channel scales before the stream gets here)."""
+    weights come with one scale per output channel or per projection, or one per output row and
+    group of input columns (block scales are converted to one of those before the stream gets
+    here)."""
     for name, tensor in weights:
         if name.endswith(COLUMN_SUFFIXES) or (
             name.endswith(COLUMN_SCALE_SUFFIXES) and tensor.numel() > 1
         ):
             yield name, _split(tensor, 0, tp)
-        elif name.endswith(ROW_SUFFIXES):
+        elif name.endswith(ROW_SUFFIXES) or (
+            name.endswith(ROW_SCALE_SUFFIXES) and tensor.dim() == 2 and tensor.shape[1] > 1
+        ):
             yield name, _split(tensor, 1, tp)
         elif name in VOCAB_NAMES:
             yield name, _vocab_rows(tensor, full.vocab_size, tp)

@@ -1,4 +1,5 @@
-"""FP8 checkpoints with block-wise weight scales, converted at load to one scale per output channel.
+"""FP8 checkpoints with block-wise weight scales: kept as they are, or converted at load to one
+scale per output channel.
 
 Some FP8 checkpoints scale each `[rows, cols]` block of a projection's weight on its own (Qwen3's
 own FP8 releases: `quant_method: fp8` with `weight_block_size: [128, 128]` and a
@@ -9,8 +10,11 @@ of two stored in one byte each (float8_e8m0fnu, or its bytes as uint8: `2^(b - 1
 NaN); they are read into float32 exactly, and since the ratio of two of them is a power of two,
 the re-quantization below then keeps every value that stays in e4m3's normal range exactly.
 
-The engine's FP8 products take one scale per output channel, so each projection is re-quantized
-here, once, as it is read: every value is dequantized exactly in float32, and a row's channel
+With `--fp8-block-scales native` the codes load as they are and each block scale is repeated
+over its block's rows (`expand_block_scales`): `Fp8BlockLinear` (quant/fp8_block_linear.py)
+multiplies with them, W's values exactly the checkpoint's. With `channel` (the default) the
+engine's per-channel FP8 products serve them, so each projection is re-quantized here, once,
+as it is read: every value is dequantized exactly in float32, and a row's channel
 scale is the largest block scale among the blocks where the row has a nonzero value. Values of
 the blocks that carry that scale keep their e4m3 codes exactly; values of blocks with a smaller
 scale are multiplied by the ratio of the two scales and rounded to e4m3 again (round to nearest
@@ -102,18 +106,32 @@ def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, int], sour
     check_scale_values(scale, f"block scale {name!r}", source)
 
 
+def expand_block_scales(
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    block_scale: torch.Tensor,  # [ceil(N / rows), ceil(K / cols)], float32 values
+    blocks: WeightBlocks,
+) -> torch.Tensor:  # [N, ceil(K / cols)] float32
+    """The block scales repeated over each block's rows: one scale per output row and group of
+    `cols` input columns, the layout `Fp8BlockLinear` holds (quant/fp8_block_linear.py)."""
+    rows = block_scale.float().repeat_interleave(blocks.rows, dim=0)[: weight.shape[0]]
+    return rows.contiguous()
+
+
 def convert_block_scaled(
     weights: Iterable[tuple[str, torch.Tensor]],
     blocks: WeightBlocks,
     source: str,
     device: torch.device | None = None,
+    native: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` (checkpoint name, tensor) with every FP8 weight and its block scale replaced by
-    the weight re-quantized per channel and its `weight_scale` [N]; other tensors pass through.
+    the weight re-quantized per channel and its `weight_scale` [N]; with `native`, by the
+    weight's codes as they are and its block scales expanded per row (`expand_block_scales`),
+    `weight_scale` [N, ceil(K / cols)]. Other tensors pass through.
     A weight and its scale may come in either order (different files of one checkpoint); one
     without the other raises ParamError naming it, once the stream ends. `device`: where the
     conversion runs and the converted tensors stay (the model's; on two CPU cores an 8B
-    model's projections take about 40 s, 0.33 s per 14,336 x 4,096 weight)."""
+    model's projections take about 40 s to re-quantize, 0.33 s per 14,336 x 4,096 weight)."""
     pending_weights: dict[str, tuple[str, torch.Tensor]] = {}
     pending_scales: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -129,8 +147,12 @@ def convert_block_scaled(
         _check_scale(scale_name, scale, blocks.scale_shape(tuple(weight.shape)), source)
         if device is not None:
             weight, scale = weight.to(device), scale.to(device)
-        requantized, channel = channel_scales_from_blocks(weight, scale, blocks)
         key = weight_name[: -len(WEIGHT_SUFFIX)]
+        if native:
+            yield weight_name, weight
+            yield key + CHANNEL_SCALE_SUFFIX, expand_block_scales(weight, scale, blocks)
+            return
+        requantized, channel = channel_scales_from_blocks(weight, scale, blocks)
         yield weight_name, requantized
         yield key + CHANNEL_SCALE_SUFFIX, channel
 

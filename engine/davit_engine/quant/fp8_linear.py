@@ -208,7 +208,7 @@ def _with_input_policy(name: str, module: Fp8Linear) -> Fp8Linear:
     return module
 
 
-def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def decoder_projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) of every `nn.Linear` inside the decoder layers: the
     projections FP8 applies to. The LM head and the embedding keep the model dtype."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -258,7 +258,7 @@ def quantize_projections(model: nn.Module) -> int:
     Each bf16/fp16/fp32 weight is released as soon as its FP8 copy exists, so the peak is the
     unquantized model plus one projection.
     """
-    found = _projections(model)
+    found = decoder_projections(model)
     for parent, name, linear in found:
         setattr(parent, name, _with_input_policy(name, Fp8Linear.from_linear(linear)))
     return len(found)
@@ -285,7 +285,7 @@ def quantize_lm_head(model: nn.Module) -> None:
 def install_fp8_projections(model: nn.Module) -> int:
     """Replace every decoder projection by an uninitialised `Fp8Linear` of the same shape, on
     the projection's device (meta before `to_empty`): the parameters an FP8 checkpoint fills."""
-    found = _projections(model)
+    found = decoder_projections(model)
     for parent, name, linear in found:
         fp8 = Fp8Linear(
             linear.in_features,

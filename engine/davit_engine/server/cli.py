@@ -28,6 +28,7 @@ import uvicorn
 
 from davit_contract import engine_defaults
 from davit_engine.config import (
+    FP8_BLOCK_SCALES,
     KV_CACHE_DTYPES,
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATIONS,
@@ -153,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8: the LM head's weight in FP8 too (per-row scales). Lossy beyond "
         "--quantization fp8, which keeps the LM head in the model dtype: faster decode at small "
         "batch, logits rounded differently",
+    )
+    engine.add_argument(
+        "--fp8-block-scales",
+        default="channel",
+        choices=list(FP8_BLOCK_SCALES),
+        help="block-wise FP8 checkpoints (a scale per block of each weight): channel "
+        "re-quantizes them to one scale per output channel at load (the per-channel FP8 "
+        "products; some values rounded to e4m3 a second time), native multiplies with their "
+        "own block scales (their values exactly)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
@@ -285,6 +295,7 @@ def _parse(rest: list[str]) -> tuple[EngineConfig, ServerSettings, str, argparse
         dtype=args.dtype,
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
+        fp8_block_scales=args.fp8_block_scales,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         seed=args.seed,

@@ -4,6 +4,7 @@ loader refuses by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -531,3 +532,101 @@ def test_a_modelopt_fp8_kv_declaration_is_reported_not_applied(
             EngineConfig(model=str(tmp_path / "mo"), dtype="float32", kv_cache_dtype="fp8"), CPU
         )
     assert fp8.kv_cache_dtype == "fp8" and "declares an FP8 KV cache" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("block", "layout"), [((32, 32), "fp8"), ((48, 40), "fp8"), ((32, 32), "compressed-tensors")]
+)
+def test_block_fp8_checkpoint_served_with_its_own_scales(
+    qwen3_tiny_dir: Path, tmp_path: Path, block: tuple[int, int], layout: str
+) -> None:
+    """`--fp8-block-scales native`: the codes load as written, each block scale repeated over
+    its block's rows inside the fused q/k/v and gate/up parameters, and every projection
+    computes what the checkpoint's own values compute, to float32 summation (few rows: the
+    weight-only product) or to the widened copy's one rounding (48 x 40: a group the kernels
+    do not take)."""
+    from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
+
+    config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
+    write_block_fp8_checkpoint(config, _hf_weights(qwen3_tiny_dir), tmp_path / "blk", block,
+                               layout, as_written=tmp_path / "written")  # fmt: skip
+    suffix = ".weight_scale_inv" if layout == "fp8" else ".weight_scale"
+    written = load_file(str(tmp_path / "blk" / "model.safetensors"))
+    native = EngineConfig(model=str(tmp_path / "blk"), dtype="float32", fp8_block_scales="native")
+    loaded = load_model(native, CPU)
+    layer = cast(LlamaDecoderLayer, loaded.model.model.layers[1])
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, Fp8BlockLinear) and qkv.group == block[1]
+    c = loaded.config
+    name = "model.layers.1.self_attn.k_proj"
+    rows = slice(c.q_size, c.q_size + c.kv_size)
+    assert torch.equal(qkv.weight.data[rows].view(torch.uint8),
+                       written[name + ".weight"].view(torch.uint8))  # fmt: skip
+    expanded = written[name + suffix].float().repeat_interleave(block[0], dim=0)[: c.kv_size]
+    assert torch.equal(qkv.weight_scale.data[rows], expanded)
+
+    reference = load_model(EngineConfig(model=str(tmp_path / "written"), dtype="float32"), CPU)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"self_attn.qkv_proj": c.hidden_size, "self_attn.o_proj": c.q_size,
+              "mlp.gate_up_proj": c.hidden_size, "mlp.down_proj": c.intermediate_size}  # fmt: skip
+    with torch.no_grad():
+        for module_name, width in inputs.items():
+            ours = loaded.model.get_submodule(f"model.layers.1.{module_name}")
+            theirs = reference.model.get_submodule(f"model.layers.1.{module_name}")
+            x = torch.randn(13, width, generator=gen)
+            want = theirs(x)
+            assert float((ours(x) - want).norm() / want.norm()) < 1e-6, module_name
+    # the default re-quantizes to channel scales, as before
+    channel = load_model(EngineConfig(model=str(tmp_path / "blk"), dtype="float32"), CPU)
+    assert isinstance(cast(LlamaDecoderLayer, channel.model.model.layers[1]).self_attn.qkv_proj,
+                      Fp8Linear)  # fmt: skip
+
+
+def test_native_block_scales_need_whole_groups_on_every_rank() -> None:
+    """Under tensor parallelism each rank's input columns of o_proj and down_proj must hold
+    whole groups of scales; otherwise the flag is named before anything loads."""
+    from davit_engine.loader import native_block_scales
+    from davit_engine.shapes import get_shape
+
+    shape = dataclasses.replace(
+        get_shape("qwen3-tiny"), quantization="fp8", weight_blocks=WeightBlocks(32, 48, ".s")
+    )
+    native = EngineConfig(model="x", fp8_block_scales="native", tensor_parallel_size=2)
+    with pytest.raises(ParamError) as info:
+        native_block_scales(native, shape, "safetensors")
+    assert info.value.param == "--fp8-block-scales" and "o_proj" in info.value.message
+    whole = dataclasses.replace(shape, weight_blocks=WeightBlocks(32, 32, ".s"))
+    assert native_block_scales(native, whole, "safetensors") == WeightBlocks(32, 32, ".s")
+    assert native_block_scales(dataclasses.replace(native, fp8_block_scales="channel"), whole,
+                               "safetensors") is None  # fmt: skip
+    with pytest.raises(ParamError, match="--fp8-block-scales|channel, native"):
+        EngineConfig(model="x", fp8_block_scales="blocks").validate()
+
+
+@pytest.mark.parametrize(
+    ("runner", "device"), [("v1", "cpu"), pytest.param("v2", "cuda", marks=pytest.mark.gpu)]
+)
+def test_native_block_scales_generate_the_checkpoints_tokens(
+    qwen3_tiny_dir: Path, tmp_path: Path, runner: str, device: str
+) -> None:
+    """Through the engine (chunked prefill, decode; on a GPU runner V2 with its CUDA graphs): a
+    block checkpoint served with its own scales greedily generates the tokens of its values
+    stored in float32."""
+    from davit_engine.llm import LLM
+    from davit_engine.types import SamplingParams
+
+    config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
+    write_block_fp8_checkpoint(config, _hf_weights(qwen3_tiny_dir), tmp_path / "blk", (32, 32),
+                               as_written=tmp_path / "written")  # fmt: skip
+    prompts = [[1, 5, 9, 33, 200, 7, 8, 100, 101, 102, 17, 18, 19, 20, 21, 22, 23, 24], [3, 4]]
+    tokens = {}
+    for name, scales in (("written", "channel"), ("blk", "native")):
+        llm = LLM(str(tmp_path / name), tokenizer="byte", dtype="float32", device=device,
+                  runner=runner, max_num_batched_tokens=8, max_model_len=128,
+                  fp8_block_scales=scales)  # fmt: skip
+        try:
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+            tokens[name] = [o.token_ids for o in outputs]
+        finally:
+            llm.shutdown()
+    assert tokens["blk"] == tokens["written"] and len(tokens["blk"][0]) == 10

@@ -1,0 +1,252 @@
+"""Products with FP8 weights scaled per block: `y = x @ W^T (+ bias)` where
+`W[n, k] = W_q[n, k] * s[n, k // group]`.
+
+Block-wise FP8 checkpoints (docs/fp8.md, Weights) scale each `[rows, group]` block of a weight
+on its own. The engine holds their scales per output row and group of `group` input columns,
+`s` [N, ceil(K / group)] float32 (a block's scale repeated over its rows), so that any cut of
+the rows (q/k/v stacked into one projection, column-parallel ranks) keeps its scales beside
+it. Every kernel here multiplies in float32 and applies a group's scale to the sums over that
+group, so W's values are exactly the checkpoint's (an e4m3 code times its block's scale) and
+the activations are not quantized:
+
+- `block_gemv`: one or two rows (decode at small batch). Each program takes `BLOCK_N` rows of W
+  and one activation row, and reads W one group of columns at a time (16 bytes per thread):
+  widened to float32, multiplied by the row, summed over the group, times the group's scales.
+- `block_weight_matmul`: more rows, a matrix-unit tile (fp16 operands, as
+  `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
+  rounded to fp16) with one product per group, scaled into a float32 accumulator.
+- `widen_blocks`: W's values in the activation dtype (a transient copy, rounded once: an e4m3
+  code times a float32 scale is not always a bf16 value) for the library's GEMM at many rows.
+- `quantize_groups`: activations quantized per row and `group` columns (one scale per group,
+  its absolute maximum over 448), the layout of the library's block-scaled FP8 GEMM
+  (`torch.nn.functional.scaled_mm` with 1 x 128 and 128 x 128 scales, quant/fp8_linear.py).
+
+Each has a plain-torch twin (`*_reference`) with the same float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from davit_engine.kernels import interpreted
+from davit_engine.kernels.fp8 import to_f16_saturated
+from davit_engine.kernels.pdl import gdc_enter, pdl_launch
+from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+# Rows up to which `block_weight_matmul` runs the matrix-vector kernel.
+GEMV_MAX_ROWS = 2
+# Columns of W per program of the matrix-vector kernel: with a 128-column group, 16 x 128 bytes
+# per step, 16 per thread of 4 warps.
+GEMV_BLOCK_N = 16
+# The matrix-unit tile: rows and columns per program (K steps are one group).
+TILE_SMALL_M = 16
+TILE_LARGE_M = 64
+TILE_N = 64
+
+
+def kernel_group(group: int) -> bool:
+    """Whether the Triton kernels take groups of `group` columns (one group per K step: a power
+    of two from 16, the smallest matrix-unit K, to 256)."""
+    return 16 <= group <= 256 and group & (group - 1) == 0
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int) -> None:
+    n, k = weight.shape
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous()
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
+    assert scale.dtype == torch.float32 and scale.is_contiguous()
+    assert tuple(scale.shape) == (n, triton.cdiv(k, group)), (tuple(scale.shape), n, k, group)
+    assert kernel_group(group), group
+
+
+@triton.jit
+def _block_gemv_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N read W's last row (the loads stay 16 bytes wide) and are never stored.
+    w_row = tl.minimum(cols, N - 1).to(tl.int64)
+    w_rows = w_ptr + w_row[:, None] * K
+    s_rows = s_ptr + w_row * G
+    ks = tl.arange(0, GROUP)
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(0, G):
+        kk = g * GROUP + ks
+        valid = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=valid[None, :], other=0.0)
+        x = tl.load(x_row + kk, mask=valid, other=0.0)
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+        acc += part * tl.load(s_rows + g)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + w_row).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _block_matmul_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_valid = rows < num_rows
+    col_valid = cols < N
+    ks = tl.arange(0, GROUP)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T tile: [GROUP, BLOCK_N]
+    s_cols = s_ptr + cols.to(tl.int64) * G
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, G):
+        kk = g * GROUP + ks
+        k_valid = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        w = tl.load(w_cols + kk[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        if F16_DOT:
+            part = tl.dot(to_f16_saturated(x), w.to(tl.float16))
+        else:
+            part = tl.dot(x, w.to(tl.float32), input_precision=DOT_PRECISION)
+        acc += part * tl.load(s_cols + g, mask=col_valid, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+def block_weight_matmul(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
+    scale: torch.Tensor,  # [N, ceil(K / group)] float32
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`x @ W^T + bias`, W's values its codes times their groups' scales, summed in float32:
+    the matrix-vector kernel up to `GEMV_MAX_ROWS` rows, else the matrix-unit tile."""
+    _check(x, weight, scale, group)
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n == 0:
+        return out
+    groups = scale.shape[1]
+    bias_arg = bias if bias is not None else scale
+    if num_rows <= GEMV_MAX_ROWS:
+        _block_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), num_rows)](
+            x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, num_warps=4,
+            **pdl_launch(x.device),
+        )  # fmt: skip
+        return out
+    block_m = TILE_SMALL_M if num_rows <= TILE_SMALL_M else TILE_LARGE_M
+    grid = (triton.cdiv(n, TILE_N), triton.cdiv(num_rows, block_m))
+    _block_matmul_kernel[grid](
+        x, weight, scale, bias_arg, out, num_rows, n, k, groups, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, F16_DOT=x.dtype != torch.float32, BLOCK_M=block_m,
+        BLOCK_N=TILE_N, GROUP=group,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3, **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def block_values(weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """W's values in float32: each code times its group's scale (exact)."""
+    k = weight.shape[1]
+    return weight.float() * scale.repeat_interleave(group, dim=1)[:, :k]
+
+
+def block_weight_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of `block_weight_matmul`: float32 products, rounded once."""
+    out = x.float() @ block_values(weight, scale, group).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _widen_blocks_kernel(  # type: ignore[no-untyped-def]
+    w_ptr, s_ptr, out_ptr, K, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):  # fmt: skip
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    valid = ks < K
+    w = tl.load(w_ptr + row * K + ks, mask=valid, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + row * G + ks // GROUP, mask=valid, other=0.0)
+    tl.store(out_ptr + row * K + ks, (w * s).to(out_ptr.dtype.element_ty), mask=valid)
+
+
+_WIDEN_BLOCK_K = 1024
+
+
+def widen_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """W's values (`block_values`) rounded once to `dtype`, a new [N, K] tensor."""
+    n, k = weight.shape
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale.is_contiguous()
+    if weight.device.type != "cuda" and not interpreted():
+        return block_values(weight, scale, group).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    if out.numel():
+        _widen_blocks_kernel[(n, triton.cdiv(k, _WIDEN_BLOCK_K))](
+            weight, scale, out, k, scale.shape[1], BLOCK_K=_WIDEN_BLOCK_K, GROUP=group,
+            num_warps=4, **pdl_launch(weight.device),
+        )  # fmt: skip
+    return out
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of `group`) -> (FP8 codes [M, K], float32 scales [M, K / group])
+    with `x ~ q * scale` per row and group: the group's absolute maximum over 448 (at least
+    `MIN_SCALE`), the value divided by it in float32 and rounded to nearest e4m3."""
+    m, k = x.shape
+    assert k % group == 0, (k, group)
+    groups = x.float().view(m, k // group, group)
+    scale = (groups.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+    codes = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes.view(m, k), scale

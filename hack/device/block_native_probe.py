@@ -1,0 +1,79 @@
+"""Block-wise FP8 projections served natively (`Fp8BlockLinear`, `--fp8-block-scales native`)
+against the same weights converted to channel scales (`Fp8Linear`, the default) and bf16, at
+Llama-3.1-8B's four projection shapes with 128 x 128 block scales. Prints one JSON line per
+shape and row count: microseconds (CUDA-graph replays, medians) and each output's error
+against the float32 product of the checkpoint's values.
+
+Run on the GPU machine from the repository root:
+`. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from davit_engine.models.config import WeightBlocks
+from davit_engine.quant.block_fp8 import channel_scales_from_blocks, expand_block_scales
+from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
+from davit_engine.quant.fp8_linear import Fp8Linear
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+BLOCKS = WeightBlocks(128, 128, ".weight_scale_inv")
+
+
+def _us(fn) -> float:  # type: ignore[no-untyped-def]
+    from triton.testing import do_bench_cudagraph
+
+    return 1e3 * float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
+def _block_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, device="cuda") * 0.02
+    blocks = w.view(n // 128, 128, k // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.view(n, k), scale.float()
+
+
+def main() -> None:
+    rows_list = [int(r) for r in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 16, 512]
+    torch.manual_seed(0)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "blocks": "128x128", "dtype": "bfloat16"}))  # fmt: skip
+    for label, (n, k) in SHAPES.items():
+        codes, scale = _block_weight(n, k)
+        native = Fp8BlockLinear(k, n, False, 128, torch.bfloat16, "cuda")
+        native.weight.data.copy_(codes)
+        native.weight_scale.data.copy_(expand_block_scales(codes, scale, BLOCKS))
+        native.prepare()
+        channel = Fp8Linear(k, n, False, torch.bfloat16, "cuda")
+        c_codes, c_scale = channel_scales_from_blocks(codes, scale, BLOCKS)
+        channel.weight.data.copy_(c_codes)
+        channel.weight_scale.data.copy_(c_scale)
+        values = native.dequantized_weight(torch.float32)
+        dense = values.bfloat16()
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            exact = x.float() @ values.t()
+            row: dict[str, object] = {"shape": label, "n": n, "k": k, "rows": rows,
+                                      "library_blocks": native.library_scale is not None}  # fmt: skip
+            cases = {
+                "native": lambda m=native, x=x: m(x),
+                "channel": lambda m=channel, x=x: m(x),
+                "bf16": lambda w=dense, x=x: torch.nn.functional.linear(x, w),
+            }
+            with torch.no_grad():
+                for name, fn in cases.items():
+                    out = fn()
+                    err = float((out.float() - exact).norm() / exact.norm())
+                    row[f"{name}_us"] = round(_us(fn), 2)
+                    row[f"{name}_rel_err"] = round(err, 5)
+            print(json.dumps(row))
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Block-scaled FP8 products (kernels/fp8_block.py) against their torch twins and the exact
+float64 product of the checkpoint's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from davit_engine.kernels.fp8_block import (
+    block_values,
+    block_weight_matmul,
+    block_weight_matmul_reference,
+    kernel_group,
+    quantize_groups,
+    widen_blocks,
+)
+from tests.engine.kernels.fp8_cases import rel_err
+
+
+def _block_weight(
+    n: int, k: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes [n, k] and scales [n, ceil(k / group)] spread over four orders of magnitude,
+    so that applying a group's scale to another group's sums would show."""
+    codes = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    groups = -(-k // group)
+    scale = 10.0 ** (-4 * torch.rand(n, groups, device=device)) * 0.01
+    return codes, scale.float().contiguous()
+
+
+def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    return x.double() @ block_values(codes, scale, group).double().t()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])  # the two kernels, partial tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_weight_matmul_matches_reference(device: torch.device, rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    n, k, group = 72, 80, 32  # a partial last group, columns past the tiles
+    codes, scale = _block_weight(n, k, group, device)
+    x = torch.randn(rows, k, device=device)
+    b = torch.randn(n, device=device) if bias else None
+    out = block_weight_matmul(x, codes, scale, group, b)
+    assert out.shape == (rows, n) and out.dtype == x.dtype
+    assert rel_err(out, block_weight_matmul_reference(x, codes, scale, group, b)) < 1e-5
+    exact = _exact(x, codes, scale, group) + (b.double() if b is not None else 0)
+    assert rel_err(out, exact) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_bf16_activations(device: torch.device, rows: int) -> None:
+    """bf16 activations: the matrix-vector kernel widens them to float32 exactly, the tile
+    multiplies in fp16 (bf16 values of this range are fp16 values too); float32 sums."""
+    torch.manual_seed(rows + 7)
+    codes, scale = _block_weight(48, 128, 64, device)
+    x = torch.randn(rows, 128, device=device).bfloat16()
+    out = block_weight_matmul(x, codes, scale, 64)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, _exact(x, codes, scale, 64)) < 4e-3  # bf16 output rounding
+
+
+def test_each_group_takes_its_own_scale(device: torch.device) -> None:
+    """One nonzero group of columns: the output is that group's sum times its scale only."""
+    n, k, group = 16, 64, 16
+    codes = torch.zeros(n, k, device=device)
+    codes[:, 32:48] = 2.0
+    scale = torch.ones(n, k // group, device=device)
+    scale[:, 2] = 0.5
+    x = torch.ones(1, k, device=device)
+    out = block_weight_matmul(x, codes.to(torch.float8_e4m3fn), scale.contiguous(), group)
+    assert torch.equal(out, torch.full((1, n), 16.0, device=device))
+
+
+def test_no_rows_and_bad_groups(device: torch.device) -> None:
+    codes, scale = _block_weight(8, 32, 16, device)
+    assert block_weight_matmul(torch.empty(0, 32, device=device), codes, scale, 16).shape == (0, 8)
+    assert kernel_group(128) and kernel_group(16)
+    assert not kernel_group(8) and not kernel_group(96) and not kernel_group(512)
+    with pytest.raises(AssertionError):  # the scale's groups must match the weight's
+        block_weight_matmul(torch.randn(1, 32, device=device), codes, scale[:, :1].contiguous(), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_widen_blocks_rounds_once(device: torch.device, dtype: torch.dtype) -> None:
+    codes, scale = _block_weight(24, 200, 64, device)  # K past the kernel's block, partial group
+    out = widen_blocks(codes, scale, 64, dtype)
+    assert out.dtype == dtype
+    rounded = block_values(codes, scale, 64).to(dtype)
+    if device.type == "cuda" or dtype == torch.float32:
+        assert torch.equal(out, rounded)
+    else:  # Triton's interpreter narrows float32 by truncation: within one unit of the last place
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+        assert torch.allclose(out.float(), rounded.float(), rtol=ulp, atol=0)
+
+
+def test_quantize_groups() -> None:
+    torch.manual_seed(3)
+    x = torch.randn(5, 256) * torch.logspace(-3, 2, 256)  # groups of very different sizes
+    codes, scale = quantize_groups(x, 128)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (5, 2)
+    assert torch.allclose(scale, x.view(5, 2, 128).abs().amax(2) / 448)
+    back = codes.float().view(5, 2, 128) * scale[:, :, None]
+    # e4m3's 3 mantissa bits: within 1/16 of each group's largest value, relative, or exact
+    err = (back - x.view(5, 2, 128)).abs().amax(2) / x.view(5, 2, 128).abs().amax(2)
+    assert float(err.max()) <= 1 / 16
+    assert float(codes.float().abs().amax()) == 448.0  # each group's largest value saturates
+    with pytest.raises(AssertionError):
+        quantize_groups(torch.randn(2, 100), 128)
