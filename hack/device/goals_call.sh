@@ -2,7 +2,8 @@
 # One device call for issue 18's goals. On an H200: W1 and W2 with bf16 in the same process
 # (three interleaved rounds), then as GOALS_BUDGET_S allows the FP8 decode tiles and the
 # one-row product tiles at this card's bandwidth, the read ceiling, W1 again in the best
-# decode tile if the sweep found one more than 2% faster over W1's steps, and two switches. On another card: only $H100_CMD, if set.
+# decode tile if the sweep found one more than 2% faster over W1's steps, two switches and the
+# native block-scale checks (block_native). On another card: $H100_CMD if set, else block_native.
 #   [H100_CMD='bench --sections w2-profile ...'] [GOALS_BUDGET_S=450] [GOALS_ROUNDS=3] \
 #   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head,bf16] bash hack/device/goals_call.sh  (under $OUT)
 set -u
@@ -13,6 +14,15 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $GPU"
 bench() { python3 -m davit_tools.bench.fp8 "$@" >> "$OUT/log.txt" 2>&1; }
+# Block-wise FP8 served with its own scales (--fp8-block-scales native): its GPU tests, then
+# its products against the channel conversion and bf16 at Llama-8B's shapes (about 60 s).
+block_native() {
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/quant/test_fp8_block_linear.py \
+    tests/engine/loader/test_fp8_checkpoints.py -k "gpu or generate" > "$OUT/block_tests.txt" 2>&1
+  tail -3 "$OUT/block_tests.txt"
+  python3 hack/device/block_native_probe.py 1,2,16,512,2048 > "$OUT/block_probe.jsonl" 2>&1
+  cat "$OUT/block_probe.jsonl"
+}
 case "$GPU" in
 *H200*)
   # in order of need, each step only while GOALS_BUDGET_S (default 450) leaves it time
@@ -35,9 +45,10 @@ case "$GPU" in
     bench --sections w1,w2 --rounds 2 --deadline-s 80 \
       --w1-variants fp8-kv,fp8-kv-rotary-one,fp8-kv-splits-fp8-3w --w2-variants fp8-both,fp8-both-rotary-one
   fi
+  if [ $SECONDS -lt $((budget - 60)) ]; then block_native; fi
   ;;
 *)
-  if [ -n "${H100_CMD:-}" ]; then eval "$H100_CMD"; fi
+  if [ -n "${H100_CMD:-}" ]; then eval "$H100_CMD"; else block_native; fi
   ;;
 esac
 [ -f "$OUT/log.txt" ] || exit 0

@@ -307,7 +307,13 @@ def native_block_scales(
     of a row-parallel projection (o_proj, down_proj: their input columns) must hold whole
     groups of scales; otherwise ParamError naming the flag."""
     blocks = model_config.weight_blocks
-    if config.fp8_block_scales != "native" or blocks is None or kind != "safetensors":
+    if config.fp8_block_scales != "native":
+        return None
+    if blocks is None or kind != "safetensors":
+        logger.info(
+            "--fp8-block-scales native: %s has no block-wise FP8 weights, nothing to serve "
+            "with block scales", config.model,
+        )  # fmt: skip
         return None
     size = config.tensor_parallel_size
     if size > 1:
