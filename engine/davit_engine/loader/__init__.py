@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from davit_engine.config import EngineConfig
+from davit_engine.kernels.fp8_block import kernel_group
 from davit_engine.layers.parallel import TensorParallel
 from davit_engine.layers.rotary import RotaryEmbedding
 from davit_engine.loader import gguf_file, safetensors_dir
@@ -303,9 +304,10 @@ def native_block_scales(
     config: EngineConfig, model_config: ModelConfig, kind: str
 ) -> WeightBlocks | None:
     """The checkpoint's blocks where its block-wise FP8 weights are served with their own
-    scales (`--fp8-block-scales native`), else None. Under tensor parallelism each rank's cut
-    of a row-parallel projection (o_proj, down_proj: their input columns) must hold whole
-    groups of scales; otherwise ParamError naming the flag."""
+    scales (`--fp8-block-scales native`), else None. The blocks' columns must be a width the
+    Triton products take (`kernel_group`), and under tensor parallelism each rank's cut of a
+    row-parallel projection (o_proj, down_proj: their input columns) must hold whole groups of
+    scales; otherwise ParamError naming the flag."""
     blocks = model_config.weight_blocks
     if config.fp8_block_scales != "native":
         return None
@@ -315,6 +317,13 @@ def native_block_scales(
             "with block scales", config.model,
         )  # fmt: skip
         return None
+    if not kernel_group(blocks.cols):
+        raise ParamError(
+            "--fp8-block-scales",
+            f"native: the checkpoint's blocks are {blocks.cols} columns wide; the block-scaled "
+            "products take a power of two from 16 to 256 (a decode step would otherwise widen "
+            "every weight); use --fp8-block-scales channel",
+        )
     size = config.tensor_parallel_size
     if size > 1:
         for what, columns in (

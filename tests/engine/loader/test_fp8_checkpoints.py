@@ -535,7 +535,7 @@ def test_a_modelopt_fp8_kv_declaration_is_reported_not_applied(
 
 
 @pytest.mark.parametrize(
-    ("block", "layout"), [((32, 32), "fp8"), ((48, 40), "fp8"), ((32, 32), "compressed-tensors")]
+    ("block", "layout"), [((32, 32), "fp8"), ((48, 128), "fp8"), ((32, 32), "compressed-tensors")]
 )
 def test_block_fp8_checkpoint_served_with_its_own_scales(
     qwen3_tiny_dir: Path, tmp_path: Path, block: tuple[int, int], layout: str
@@ -543,8 +543,7 @@ def test_block_fp8_checkpoint_served_with_its_own_scales(
     """`--fp8-block-scales native`: the codes load as written, each block scale repeated over
     its block's rows inside the fused q/k/v and gate/up parameters, and every projection
     computes what the checkpoint's own values compute, to float32 summation (few rows: the
-    weight-only product) or to the widened copy's one rounding (48 x 40: a group the kernels
-    do not take)."""
+    weight-only product; 48 x 128 blocks are ragged in rows and wider than K)."""
     from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
 
     config = load_model(EngineConfig(model=str(qwen3_tiny_dir), dtype="float32"), CPU).config
@@ -589,12 +588,15 @@ def test_native_block_scales_need_whole_groups_on_every_rank() -> None:
     from davit_engine.shapes import get_shape
 
     shape = dataclasses.replace(
-        get_shape("qwen3-tiny"), quantization="fp8", weight_blocks=WeightBlocks(32, 48, ".s")
+        get_shape("qwen3-tiny"), quantization="fp8", weight_blocks=WeightBlocks(32, 128, ".s")
     )
     native = EngineConfig(model="x", fp8_block_scales="native", tensor_parallel_size=2)
     with pytest.raises(ParamError) as info:
         native_block_scales(native, shape, "safetensors")
     assert info.value.param == "--fp8-block-scales" and "o_proj" in info.value.message
+    odd = dataclasses.replace(shape, weight_blocks=WeightBlocks(32, 40, ".s"))
+    with pytest.raises(ParamError, match="40 columns wide"):  # no Triton product takes it
+        native_block_scales(dataclasses.replace(native, tensor_parallel_size=1), odd, "safetensors")
     whole = dataclasses.replace(shape, weight_blocks=WeightBlocks(32, 32, ".s"))
     assert native_block_scales(native, whole, "safetensors") == WeightBlocks(32, 32, ".s")
     assert native_block_scales(dataclasses.replace(native, fp8_block_scales="channel"), whole,
