@@ -199,3 +199,44 @@ def test_a_modelopt_export_with_hf_quant_config_is_estimated_in_fp8(
     found = plain.find("org/big")
     assert found is not None and not found.fp8_projections
     assert "/org/big/resolve/main/hf_quant_config.json" in _Hub.requests
+
+
+def test_block_scales_served_natively_count_one_scale_per_row_and_group(
+    hub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 128 x 128 block checkpoint served with its own scales (engine.extraArgs
+    `--fp8-block-scales native`) holds one float32 scale per output row and 128 input columns
+    instead of one per row: the estimate grows by exactly that, with the flag in either
+    spelling."""
+    block = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    monkeypatch.setattr(
+        _Hub, "files", {**_Hub.files, "/org/big-blk/resolve/main/config.json": {
+            **BIG, "quantization_config": block}},
+    )  # fmt: skip
+    source = {"source": "hf://org/big-blk", "revision": "main"}
+    h100 = {"vendor": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"}
+    base = make_spec(model=source, accelerator=h100)
+    shapes = asyncio.run(ModelConfigSource(hub).shapes_for(base, load_shape_catalog()))
+    shape = shapes.find("org/big-blk")
+    assert shape is not None and shape.fp8_block_columns == 128
+    assert shape_from_config({**BIG, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+            "type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 64]}}}},
+    }).fp8_block_columns == 64  # fmt: skip
+
+    def weights(extra: list[str]) -> int:
+        spec = make_spec(model=source, accelerator=h100,
+                         engine={"type": "davit", "version": "0.1.0", "extraArgs": extra})  # fmt: skip
+        memory = make_plan("s", "ns", spec, load_catalog(), shapes=shapes).memory
+        assert memory is not None and memory.weights_bytes is not None
+        return memory.weights_bytes
+
+    channel = weights([])
+    h, d, i, layers = 7168, 128, 20480, 60
+    groups = layers * (((56 + 16) * d + 2 * i) * 56 + h * 56 + h * 160)
+    channels = layers * ((56 + 16) * d + h + 2 * i + h)
+    assert shape.projection_scale_groups(128) == groups
+    for extra in (["--fp8-block-scales", "native"], ["--fp8-block-scales=native"]):
+        assert weights(extra) - channel == 4 * (groups - channels)
+    assert weights(["--fp8-block-scales", "channel"]) == channel
+    assert 0.02 < 4 * (groups - channels) / channel < 0.04  # about 3% of the FP8 weights

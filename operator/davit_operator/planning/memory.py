@@ -76,6 +76,9 @@ class ModelShape(_Data):
     # The checkpoint stores its decoder projections in FP8 (config.json's quantization_config):
     # one byte each whether or not engine.quantization asks for it.
     fp8_projections: bool = False
+    # A block-wise FP8 checkpoint's scale blocks are this many input columns wide
+    # (weight_block_size, or compressed-tensors' block_structure); None: no block scales.
+    fp8_block_columns: int | None = Field(default=None, ge=1)
 
     @property
     def num_parameters(self) -> int:
@@ -99,6 +102,19 @@ class ModelShape(_Data):
         h, d = self.hidden_size, self.head_dim
         per_layer = (
             (self.num_heads + 2 * self.num_kv_heads) * d + h + 2 * self.intermediate_size + h
+        )
+        return self.num_layers * per_layer
+
+    def projection_scale_groups(self, columns: int) -> int:
+        """Scales of the decoder projections held one per output row and group of `columns`
+        input columns (a block-wise FP8 checkpoint served with its own scales:
+        `--fp8-block-scales native`, one float32 each)."""
+        h, d = self.hidden_size, self.head_dim
+        reading_hidden = (self.num_heads + 2 * self.num_kv_heads) * d + 2 * self.intermediate_size
+        per_layer = (
+            reading_hidden * -(-h // columns)  # q/k/v, gate/up
+            + h * -(-(self.num_heads * d) // columns)  # o
+            + h * -(-self.intermediate_size // columns)  # down
         )
         return self.num_layers * per_layer
 
@@ -182,6 +198,7 @@ def shape_from_config(config: Any) -> ModelShape:
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             fp8_projections=_fp8_checkpoint(config.get("quantization_config")),
+            fp8_block_columns=_fp8_block_columns(config.get("quantization_config")),
         )
     except KeyError as exc:
         raise ShapeError(f"config.json has no {exc.args[0]}") from None
@@ -222,6 +239,24 @@ def _fp8_checkpoint(quant: Any) -> bool:
     )
 
 
+def _fp8_block_columns(quant: Any) -> int | None:
+    """The input columns of a block-wise FP8 checkpoint's scale blocks: `weight_block_size`
+    ([rows, cols]) of `quant_method: fp8`, or the first `block_structure` of compressed-tensors'
+    block strategy (as the engine reads them, loader/hf_config.py); None otherwise."""
+    if not _fp8_checkpoint(quant):
+        return None
+    size = quant.get("weight_block_size")
+    if size is None and isinstance(quant.get("config_groups"), dict):
+        for group in quant["config_groups"].values():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if isinstance(weights, dict) and weights.get("block_structure") is not None:
+                size = weights["block_structure"]
+                break
+    if isinstance(size, list | tuple) and len(size) == 2 and isinstance(size[1], int):
+        return size[1] if size[1] >= 1 else None
+    return None
+
+
 def with_shape(catalog: ShapeCatalog, name: str, shape: ModelShape) -> ShapeCatalog:
     """The catalog plus `shape` under `name` (a repository id); the catalog's own entry wins."""
     if catalog.find(name) is not None:
@@ -258,6 +293,9 @@ class Precision:
     projection_bytes: int = ACCELERATOR_DTYPE_BYTES
     kv_bytes: int = ACCELERATOR_DTYPE_BYTES
     fp8_lm_head: bool = False
+    # A block-wise FP8 checkpoint served with its own scales (engine.extraArgs
+    # `--fp8-block-scales native`): one scale per output row and this many input columns.
+    block_scale_columns: int | None = None
 
     @classmethod
     def of(cls, spec: InferenceServiceSpec, shape: ModelShape | None = None) -> Precision:
@@ -266,11 +304,35 @@ class Precision:
         engine.kvCacheDtype fp8: one byte per KV element; engine.lmHeadQuantization fp8: an LM
         head of one byte per weight."""
         fp8 = spec.engine.quantization == "fp8" or (shape is not None and shape.fp8_projections)
+        native = _extra_arg(spec, BLOCK_SCALES_FLAG) == "native"
+        columns = shape.fp8_block_columns if shape is not None and native else None
         return cls(
             projection_bytes=FP8_BYTES if fp8 else ACCELERATOR_DTYPE_BYTES,
             kv_bytes=FP8_BYTES if spec.engine.kv_cache_dtype == "fp8" else ACCELERATOR_DTYPE_BYTES,
             fp8_lm_head=spec.engine.lm_head_quantization == "fp8",
+            block_scale_columns=columns if spec.engine.type == "davit" else None,
         )
+
+
+# The engine flag that serves block-wise FP8 checkpoints with their own scales (no typed field:
+# engine.extraArgs carries it).
+BLOCK_SCALES_FLAG = "--fp8-block-scales"
+
+
+def _extra_arg(spec: InferenceServiceSpec, flag: str) -> str | None:
+    """The value `flag` takes in engine.extraArgs (`--flag value` or `--flag=value`; the last
+    wins, as the engine's parser takes it), or None."""
+    value = None
+    args = list(spec.engine.extra_args)
+    for i, arg in enumerate(args):
+        name, sep, inline = arg.partition("=")
+        if name != flag:
+            continue
+        if sep:
+            value = inline
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
 
 
 def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> int:
@@ -281,7 +343,9 @@ def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> i
     total = (
         shape.num_parameters - projections
     ) * dtype_bytes + projections * precision.projection_bytes
-    if precision.projection_bytes == FP8_BYTES:
+    if precision.projection_bytes == FP8_BYTES and precision.block_scale_columns:
+        total += shape.projection_scale_groups(precision.block_scale_columns) * FP8_SCALE_BYTES
+    elif precision.projection_bytes == FP8_BYTES:
         total += shape.projection_channels * FP8_SCALE_BYTES
     if precision.fp8_lm_head:
         head = shape.vocab_size * shape.hidden_size
