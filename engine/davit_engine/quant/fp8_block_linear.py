@@ -42,8 +42,11 @@ from davit_engine.kernels.fp8_block import (
     quantize_groups,
     widen_blocks,
 )
-from davit_engine.layers.fp8 import FP8_DTYPE
-from davit_engine.quant.fp8_linear import UNQUANTIZED_INPUTS, decoder_projections
+from davit_engine.quant.fp8_linear import (
+    UNQUANTIZED_INPUTS,
+    decoder_projections,
+    fp8_parameters,
+)
 
 # The library's block-scaled GEMM: 1 x 128 activation scales, 128 x 128 weight scales.
 LIBRARY_BLOCK = 128
@@ -51,6 +54,12 @@ LIBRARY_BLOCK = 128
 
 class Fp8BlockLinear(nn.Module):
     """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic)."""
+
+    in_features: int
+    out_features: int
+    weight: nn.Parameter  # [N, K] float8_e4m3fn
+    weight_scale: nn.Parameter  # float32
+    bias: nn.Parameter | None
 
     # Rows up to which CUDA runs the weight-only products (class attributes, as Fp8Linear's).
     weight_only_max_rows = 16
@@ -66,22 +75,11 @@ class Fp8BlockLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
         self.group = group
         groups = -(-in_features // group)
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-            requires_grad=False,
-        )
-        self.weight_scale = nn.Parameter(
-            torch.empty(out_features, groups, dtype=torch.float32, device=device),
-            requires_grad=False,
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-            if bias
-            else None
+        self.in_features, self.out_features = in_features, out_features
+        self.weight, self.weight_scale, self.bias = fp8_parameters(
+            in_features, out_features, (out_features, groups), bias, dtype, device
         )
         # [N / 128, K / 128] (the weight's 128 x 128 block scales) where the library's block
         # GEMM can take them: set by `prepare`, once the weights are loaded.
