@@ -5,7 +5,9 @@ Block-wise FP8 checkpoints (docs/fp8.md, Weights) scale each `[rows, group]` blo
 on its own. The engine holds their scales per output row and group of `group` input columns,
 `s` [N, ceil(K / group)] float32 (a block's scale repeated over its rows), so that any cut of
 the rows (q/k/v stacked into one projection, column-parallel ranks) keeps its scales beside
-it. Every kernel here multiplies in float32 and applies a group's scale to the sums over that
+it. The kernels take any strides of `s`; a prepared module stores it group-major (each group's
+scales for all rows contiguous), so that a program's scales of one K step are one coalesced
+load rather than one per row. Every kernel here multiplies in float32 and applies a group's scale to the sums over that
 group, so W's values are exactly the checkpoint's (an e4m3 code times its block's scale) and
 the activations are not quantized:
 
@@ -56,7 +58,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
     n, k = weight.shape
     assert weight.dtype == FP8_DTYPE and weight.is_contiguous()
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-    assert scale.dtype == torch.float32 and scale.is_contiguous()
+    assert scale.dtype == torch.float32  # any strides (prepared modules store it group-major)
     assert tuple(scale.shape) == (n, triton.cdiv(k, group)), (tuple(scale.shape), n, k, group)
     assert kernel_group(group), group
 
@@ -73,6 +75,8 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     G,
     stride_xm,
     stride_om,
+    stride_sn,
+    stride_sg,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
@@ -85,7 +89,7 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     # Columns past N read W's last row (the loads stay 16 bytes wide) and are never stored.
     w_row = tl.minimum(cols, N - 1).to(tl.int64)
     w_rows = w_ptr + w_row[:, None] * K
-    s_rows = s_ptr + w_row * G
+    s_rows = s_ptr + w_row * stride_sn
     ks = tl.arange(0, GROUP)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -95,7 +99,7 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
         w = tl.load(w_rows + kk[None, :], mask=valid[None, :], other=0.0)
         x = tl.load(x_row + kk, mask=valid, other=0.0)
         part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-        acc += part * tl.load(s_rows + g)
+        acc += part * tl.load(s_rows + g * stride_sg)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_row).to(tl.float32)
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
@@ -114,6 +118,8 @@ def _block_matmul_kernel(  # type: ignore[no-untyped-def]
     G,
     stride_xm,
     stride_om,
+    stride_sn,
+    stride_sg,
     HAS_BIAS: tl.constexpr,
     F16_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -132,7 +138,7 @@ def _block_matmul_kernel(  # type: ignore[no-untyped-def]
     ks = tl.arange(0, GROUP)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T tile: [GROUP, BLOCK_N]
-    s_cols = s_ptr + cols.to(tl.int64) * G
+    s_cols = s_ptr + cols.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(0, G):
         kk = g * GROUP + ks
@@ -143,7 +149,7 @@ def _block_matmul_kernel(  # type: ignore[no-untyped-def]
             part = tl.dot(to_f16_saturated(x), w.to(tl.float16))
         else:
             part = tl.dot(x, w.to(tl.float32), input_precision=DOT_PRECISION)
-        acc += part * tl.load(s_cols + g, mask=col_valid, other=0.0)[None, :]
+        acc += part * tl.load(s_cols + g * stride_sg, mask=col_valid, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -170,7 +176,8 @@ def block_weight_matmul(
     if num_rows <= GEMV_MAX_ROWS:
         _block_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), num_rows)](
             x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, num_warps=4,
+            scale.stride(0), scale.stride(1), HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
+            GROUP=group, num_warps=4,
             **pdl_launch(x.device),
         )  # fmt: skip
         return out
@@ -178,7 +185,7 @@ def block_weight_matmul(
     grid = (triton.cdiv(n, TILE_N), triton.cdiv(num_rows, block_m))
     _block_matmul_kernel[grid](
         x, weight, scale, bias_arg, out, num_rows, n, k, groups, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, F16_DOT=x.dtype != torch.float32, BLOCK_M=block_m,
+        scale.stride(0), scale.stride(1), HAS_BIAS=bias is not None, F16_DOT=x.dtype != torch.float32, BLOCK_M=block_m,
         BLOCK_N=TILE_N, GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3, **pdl_launch(x.device),
@@ -208,15 +215,15 @@ def block_weight_matmul_reference(
 
 @triton.jit
 def _widen_blocks_kernel(  # type: ignore[no-untyped-def]
-    w_ptr, s_ptr, out_ptr, K, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    w_ptr, s_ptr, out_ptr, K, stride_sn, stride_sg, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     valid = ks < K
     w = tl.load(w_ptr + row * K + ks, mask=valid, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + row * G + ks // GROUP, mask=valid, other=0.0)
+    s = tl.load(s_ptr + row * stride_sn + (ks // GROUP) * stride_sg, mask=valid, other=0.0)
     tl.store(out_ptr + row * K + ks, (w * s).to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -228,13 +235,14 @@ def widen_blocks(
 ) -> torch.Tensor:
     """W's values (`block_values`) rounded once to `dtype`, a new [N, K] tensor."""
     n, k = weight.shape
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and scale.is_contiguous()
+    assert weight.dtype == FP8_DTYPE and weight.is_contiguous()
     if weight.device.type != "cuda" and not interpreted():
         return block_values(weight, scale, group).to(dtype)
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     if out.numel():
         _widen_blocks_kernel[(n, triton.cdiv(k, _WIDEN_BLOCK_K))](
-            weight, scale, out, k, scale.shape[1], BLOCK_K=_WIDEN_BLOCK_K, GROUP=group,
+            weight, scale, out, k, scale.stride(0), scale.stride(1), BLOCK_K=_WIDEN_BLOCK_K,
+            GROUP=group,
             num_warps=4, **pdl_launch(weight.device),
         )  # fmt: skip
     return out

@@ -89,13 +89,17 @@ class Fp8BlockLinear(nn.Module):
         self.quantize_inputs = True
 
     def prepare(self) -> None:
-        """After loading: the 128 x 128 block scales the library GEMM takes, where the per-row
-        scales are equal over every aligned block of 128 rows (none otherwise)."""
+        """After loading: the scales stored group-major, and the 128 x 128 block scales the
+        library GEMM takes where the per-row scales are equal over every aligned block of 128
+        rows (none otherwise)."""
         self.library_scale = None
+        # group-major storage, the same [N, G] values: a program's scales of one K step (its
+        # rows, one group) are then contiguous (kernels/fp8_block.py)
+        self.weight_scale.data = self.weight_scale.data.t().contiguous().t()
         n, k = self.weight.shape
         if self.group != LIBRARY_BLOCK or n % LIBRARY_BLOCK or k % LIBRARY_BLOCK:
             return
-        blocks = self.weight_scale.detach().view(n // LIBRARY_BLOCK, LIBRARY_BLOCK, -1)
+        blocks = self.weight_scale.detach().reshape(n // LIBRARY_BLOCK, LIBRARY_BLOCK, -1)
         if bool((blocks == blocks[:, :1]).all()):
             self.library_scale = blocks[:, 0].contiguous()
 

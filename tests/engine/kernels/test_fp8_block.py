@@ -34,10 +34,15 @@ def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])  # the two kernels, partial tiles
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_weight_matmul_matches_reference(device: torch.device, rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("group_major", [False, True])  # the scales' storage, as prepared
+def test_block_weight_matmul_matches_reference(
+    device: torch.device, rows: int, bias: bool, group_major: bool
+) -> None:
     torch.manual_seed(rows)
     n, k, group = 72, 80, 32  # a partial last group, columns past the tiles
     codes, scale = _block_weight(n, k, group, device)
+    if group_major:
+        scale = scale.t().contiguous().t()
     x = torch.randn(rows, k, device=device)
     b = torch.randn(n, device=device) if bias else None
     out = block_weight_matmul(x, codes, scale, group, b)
@@ -83,6 +88,7 @@ def test_no_rows_and_bad_groups(device: torch.device) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_widen_blocks_rounds_once(device: torch.device, dtype: torch.dtype) -> None:
     codes, scale = _block_weight(24, 200, 64, device)  # K past the kernel's block, partial group
+    scale = scale.t().contiguous().t()  # group-major, as a prepared module stores it
     out = widen_blocks(codes, scale, 64, dtype)
     assert out.dtype == dtype
     rounded = block_values(codes, scale, 64).to(dtype)

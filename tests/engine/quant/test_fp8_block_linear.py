@@ -44,6 +44,7 @@ def test_library_scales_only_for_aligned_128_blocks() -> None:
     assert _module(256, 384, 128, 64).library_scale is None  # rows in blocks of 64
     assert _module(200, 384, 128, 128).library_scale is None  # N not a multiple of 128
     assert _module(256, 320, 64, 128).library_scale is None  # 64-column groups
+    assert aligned.weight_scale.stride() == (1, 256)  # stored group-major, the same values
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16])
