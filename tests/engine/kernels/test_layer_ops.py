@@ -435,9 +435,9 @@ def _rotary_group_case(
 ) -> None:
     """The rotary kernel where it rotates, one token a program against `group` tokens a
     program (`ROTARY_TOKEN_GROUP`; 0: chosen per launch) at `warps` warps: the same rotated
-    queries, keys and cache bytes, under Triton's interpreter exactly, on a GPU but for the
-    matrix units' summation order (a taller product). `cache_dtype` None: keys returned;
-    `rotate_queries` False: only an FP8 cache's keys are rotated."""
+    queries, keys and cache bytes, but for the summation order of a taller product (the matrix
+    units' on a GPU, numpy's under Triton's interpreter: see below). `cache_dtype` None: keys
+    returned; `rotate_queries` False: only an FP8 cache's keys are rotated."""
     torch.manual_seed(14)
     _, _, kv_heads, dim = shape
     cos, sin, q, k, v, weights, slots, blocks, page = _cache_write_case(device, dtype, shape)
@@ -459,7 +459,12 @@ def _rotary_group_case(
     grouped = run()
     assert bool((one[1] != 0).any())
     if device.type != "cuda":
-        assert all(torch.equal(a, b) for a, b in zip(one, grouped, strict=True))
+        # The interpreter multiplies with numpy, whose matrix product may sum a taller product
+        # in another order (numpy 2.4: float32 queries moved by their last places, about 1e-7
+        # of their head's largest); the cache bytes and the keys stay exact.
+        diff = (grouped[0].float() - one[0].float()).abs()
+        assert bool((diff <= one[0].float().abs().amax(dim=-1, keepdim=True) * 2**-18).all())
+        assert torch.equal(grouped[1], one[1])
     elif fp8:
         _assert_within_summation_order(grouped[0], one[0], grouped[1], one[1])
     else:  # keys unrotated: exactly; the queries' products as for an FP8 cache
