@@ -62,6 +62,9 @@ class ProfileIdentity:
     quantization: str = "none"
     # Added within schema version 1: "fp8" for an FP8 LM head (--lm-head-quantization).
     lm_head_quantization: str = "none"
+    # Added within schema version 1: "native" where a block-wise FP8 checkpoint is served with
+    # its own scales (--fp8-block-scales native: a scale per row and group, more weight bytes).
+    fp8_block_scales: str = "channel"
 
     def hash(self) -> str:
         """A short stable digest of every field (sorted JSON, sha256, 16 hex digits).
@@ -82,6 +85,7 @@ _LATER_DEFAULTS: dict[str, object] = {
     "kv_cache_dtype": "auto",
     "quantization": "none",
     "lm_head_quantization": "none",
+    "fp8_block_scales": "channel",
 }
 
 

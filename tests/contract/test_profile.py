@@ -91,9 +91,10 @@ def test_fp8_identities_hash_apart_and_round_trip() -> None:
     weights = dataclasses.replace(profile.identity, quantization="fp8")
     both = dataclasses.replace(kv, quantization="fp8")
     head = dataclasses.replace(both, lm_head_quantization="fp8")
-    hashes = {profile.identity.hash(), kv.hash(), weights.hash(), both.hash(), head.hash()}
-    assert len(hashes) == 5
-    for identity in (both, head):
+    native = dataclasses.replace(weights, fp8_block_scales="native")
+    hashes = {i.hash() for i in (profile.identity, kv, weights, both, head, native)}
+    assert len(hashes) == 6
+    for identity in (both, head, native):
         again = MemoryProfile.from_json(dataclasses.replace(profile, identity=identity).to_json())
         assert again.identity == identity and again.identity.hash() == identity.hash()
 

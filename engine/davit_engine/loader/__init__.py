@@ -72,6 +72,8 @@ class LoadedModel:
     lm_head_quantization: str = "none"  # "fp8": so does the LM head (--lm-head-quantization)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
     kv_scale_source: str = "none"  # FP8 KV scales: "calibrated", or "none" without FP8 KV
+    # "native": block-wise FP8 weights served with their own scales (--fp8-block-scales)
+    fp8_block_scales: str = "channel"
     # This process's rank when the model is split over several (None: the whole model here).
     tensor_parallel: TensorParallel | None = None
 
@@ -297,6 +299,7 @@ def load_model(
         kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
         kv_scale_source=kv_scale_source,
         tensor_parallel=tensor_parallel,
+        fp8_block_scales="native" if native_blocks is not None else "channel",
     )
 
 

@@ -375,4 +375,5 @@ def _identity(runner: Any, max_model_len: int) -> ProfileIdentity:
         kv_cache_dtype=runner.loaded.kv_cache_dtype,
         quantization=runner.loaded.quantization,
         lm_head_quantization=runner.loaded.lm_head_quantization,
+        fp8_block_scales=runner.loaded.fp8_block_scales,
     )

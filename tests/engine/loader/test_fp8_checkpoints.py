@@ -566,6 +566,7 @@ def test_block_fp8_checkpoint_served_with_its_own_scales(
     layer = cast(LlamaDecoderLayer, loaded.model.model.layers[1])
     qkv = layer.self_attn.qkv_proj
     assert isinstance(qkv, Fp8BlockLinear) and qkv.group == block[1]
+    assert loaded.fp8_block_scales == "native"  # in the memory profile's identity
     c = loaded.config
     name = "model.layers.1.self_attn.k_proj"
     rows = slice(c.q_size, c.q_size + c.kv_size)
@@ -579,6 +580,7 @@ def test_block_fp8_checkpoint_served_with_its_own_scales(
         assert error < 1e-6, module_name
     # the default re-quantizes to channel scales, as before
     channel = load_model(EngineConfig(model=str(tmp_path / "blk"), dtype="float32"), CPU)
+    assert channel.fp8_block_scales == "channel"
     assert isinstance(cast(LlamaDecoderLayer, channel.model.model.layers[1]).self_attn.qkv_proj,
                       Fp8Linear)  # fmt: skip
 
