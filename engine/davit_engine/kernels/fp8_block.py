@@ -14,6 +14,8 @@ the activations are not quantized:
 - `block_gemv`: one or two rows (decode at small batch). Each program takes `BLOCK_N` rows of W
   and one activation row, and reads W one group of columns at a time (16 bytes per thread):
   widened to float32, multiplied by the row, summed over the group, times the group's scales.
+- `block_gemv_silu_mul`: the same at an MLP's fused gate/up projection with `silu(gate) * up`
+  applied in its epilogue.
 - `block_weight_matmul`: more rows, a matrix-unit tile (fp16 operands, as
   `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
   rounded to fp16) with one product per group, scaled into a float32 accumulator.
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import to_f16_saturated
+from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -81,13 +84,19 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     USE_GDC: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # BLOCK_N rows of W. GATED: N output columns from 2N rows ([gate | up]), each column's gate
+    # row and up row side by side, BLOCK_N // 2 columns a program.
+    lanes = tl.arange(0, BLOCK_N)
+    cols = pid_n * (BLOCK_N // 2) + lanes // 2 if GATED else pid_n * BLOCK_N + lanes
     # Columns past N read W's last row (the loads stay 16 bytes wide) and are never stored.
     w_row = tl.minimum(cols, N - 1).to(tl.int64)
+    if GATED:
+        w_row += (lanes % 2) * N
     w_rows = w_ptr + w_row[:, None] * K
     s_rows = s_ptr + w_row * stride_sn
     ks = tl.arange(0, GROUP)
@@ -102,7 +111,12 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
         acc += part * tl.load(s_rows + g * stride_sg)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_row).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # silu(gate) * up, gate and up rounded to the activation dtype first
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
+        acc = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(dtype), mask=cols < N)
 
 
 @triton.jit
@@ -189,6 +203,35 @@ def block_weight_matmul(
         BLOCK_N=TILE_N, GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3, **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def block_gemv_silu_mul(
+    x: torch.Tensor,  # [M, K], M <= GEMV_MAX_ROWS
+    weight: torch.Tensor,  # [2N, K] float8_e4m3fn: an MLP's fused [gate | up]
+    scale: torch.Tensor,  # [2N, ceil(K / group)] float32
+    group: int,
+    bias: torch.Tensor | None = None,  # [2N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`silu(gate) * up` of `block_weight_matmul`'s output at one or two rows, in the
+    matrix-vector kernel's epilogue: the numbers `layer_ops.silu_mul` gives on that output
+    (gate and up rounded to x's dtype first), one kernel and no [M, 2N] intermediate."""
+    _check(x, weight, scale, group)
+    num_rows, k = x.shape
+    assert num_rows <= GEMV_MAX_ROWS, num_rows
+    n_w = weight.shape[0]
+    if n_w % 2:
+        raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")
+    n = n_w // 2
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n == 0:
+        return out
+    _block_gemv_kernel[(triton.cdiv(n_w, GEMV_BLOCK_N), num_rows)](
+        x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
+        x.stride(0), out.stride(0), scale.stride(0), scale.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, GATED=True, num_warps=4,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -35,6 +35,8 @@ from torch import nn
 
 from davit_engine.kernels import capability
 from davit_engine.kernels.fp8_block import (
+    GEMV_MAX_ROWS,
+    block_gemv_silu_mul,
     block_values,
     block_weight_matmul,
     block_weight_matmul_reference,
@@ -42,6 +44,7 @@ from davit_engine.kernels.fp8_block import (
     quantize_groups,
     widen_blocks,
 )
+from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.quant.fp8_linear import (
     UNQUANTIZED_INPUTS,
     decoder_projections,
@@ -137,6 +140,24 @@ class Fp8BlockLinear(nn.Module):
         else:
             out = self._forward_emulated(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` [..., N / 2] of this projection's output `[gate | up]` (an MLP's
+        fused gate/up projection): on CUDA at one or two rows in the matrix-vector kernel's
+        epilogue (the same numbers as the product then `layer_ops.silu_mul`), elsewhere the
+        two in turn."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        if (
+            flat.device.type == "cuda"
+            and flat.shape[0] <= min(GEMV_MAX_ROWS, self.weight_only_max_rows)
+            and kernel_group(self.group)
+        ):
+            out = block_gemv_silu_mul(flat, self.weight, self.weight_scale, self.group, self.bias)
+        else:
+            out = silu_mul(self(flat))
+        return out.view(*x.shape[:-1], self.out_features // 2)
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

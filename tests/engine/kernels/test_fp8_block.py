@@ -112,3 +112,27 @@ def test_quantize_groups() -> None:
     assert float(codes.float().abs().amax()) == 448.0  # each group's largest value saturates
     with pytest.raises(AssertionError):
         quantize_groups(torch.randn(2, 100), 128)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_epilogue_is_the_product_then_silu_mul(
+    device: torch.device, rows: int, dtype: torch.dtype
+) -> None:
+    """`silu(gate) * up` in the matrix-vector kernel's epilogue: the numbers of the product
+    followed by `layer_ops.silu_mul` (gate and up rounded to the activation dtype first);
+    output columns past a program's tile and a partial last group included."""
+    from davit_engine.kernels.fp8_block import block_gemv_silu_mul
+    from davit_engine.kernels.layer_ops import silu_mul
+
+    torch.manual_seed(rows)
+    codes, scale = _block_weight(2 * 20, 72, 32, device)  # 20 outputs: a partial tile
+    scale = scale.t().contiguous().t()
+    x = torch.randn(rows, 72, device=device).to(dtype)
+    bias = torch.randn(40, device=device).to(dtype)
+    gated = block_gemv_silu_mul(x, codes, scale, 32, bias)
+    separate = silu_mul(block_weight_matmul(x, codes, scale, 32, bias))
+    assert gated.shape == (rows, 20) and gated.dtype == dtype
+    assert rel_err(gated, separate) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="even count"):
+        block_gemv_silu_mul(x, codes[:39], scale[:39], 32)

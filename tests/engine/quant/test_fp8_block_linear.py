@@ -122,6 +122,10 @@ def test_on_the_gpu_each_regime_is_the_cpus(rows: int) -> None:
         xg = x.cuda()
         got = gpu(xg)
         assert rel_err(got.cpu(), want) < 1e-2, (rows, module.out_features)
+        if rows <= 2:  # the gated epilogue of the matrix-vector kernel
+            from davit_engine.kernels.layer_ops import silu_mul
+
+            assert rel_err(gpu.forward_silu_mul(xg), silu_mul(got)) < 1e-2
         graph = torch.cuda.CUDAGraph()
         gpu(xg)  # compiles before the capture
         with torch.cuda.graph(graph):
@@ -135,3 +139,13 @@ def _bf16_cpu(module: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
     if module.bias is not None:
         module.bias.data = module.bias.data.bfloat16()
     return module(x)
+
+
+def test_silu_mul_of_a_gate_up_projection() -> None:
+    """`forward_silu_mul` (the fused MLP's call at decode) is `silu_mul` of the forward."""
+    from davit_engine.kernels.layer_ops import silu_mul
+
+    module = _module(96, 64, 32, 32, bias=True)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 64)
+        assert torch.equal(module.forward_silu_mul(x), silu_mul(module(x)))

@@ -38,6 +38,7 @@ from davit_engine.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
 from davit_engine.quant.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ FUSE_FP8_GATE_ACTIVATION = True
 def _fused_mlp(module: LlamaMLP) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate_up = module.gate_up_proj
-        if FUSE_FP8_GATE_ACTIVATION and isinstance(gate_up, Fp8Linear):
+        if FUSE_FP8_GATE_ACTIVATION and isinstance(gate_up, Fp8Linear | Fp8BlockLinear):
             return module.down_proj(gate_up.forward_silu_mul(x))
         return module.down_proj(silu_mul(gate_up(x)))
 
