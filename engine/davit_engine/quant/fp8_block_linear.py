@@ -13,7 +13,7 @@ How the product runs (kernels/fp8_block.py):
   `UNQUANTIZED_INPUTS` (q/k/v, as with per-channel FP8) below `dequantize_min_rows`: the
   weight-only Triton products, a group's scale applied to the float32 sums over that group;
   the activations are not quantized.
-- CUDA, more rows, where the library's block-scaled FP8 GEMM runs (`library_blocks`: bf16
+- CUDA, more rows, where the library's block-scaled FP8 GEMM runs (`library_scale` set: bf16
   activations, compute capability 9.0+, `torch.nn.functional.scaled_mm`, 128-column groups
   whose scales are equal over aligned blocks of 128 rows, as 128 x 128 checkpoints' are, and
   K, N multiples of 128): the activations are quantized per token and 128 columns
