@@ -368,5 +368,6 @@ def _safetensors_stream(
 
 def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse, naming --tensor-parallel-size, a size that does not divide the model's heads and
-    MLP width."""
+    MLP width, and naming --fp8-block-scales, native block scales the ranks cannot cut."""
     rank_config(model_config, config.tensor_parallel_size)
+    native_block_scales(config, model_config, model_kind(config.model))

@@ -588,7 +588,7 @@ def test_block_fp8_checkpoint_served_with_its_own_scales(
 def test_native_block_scales_need_whole_groups_on_every_rank() -> None:
     """Under tensor parallelism each rank's input columns of o_proj and down_proj must hold
     whole groups of scales; otherwise the flag is named before anything loads."""
-    from davit_engine.loader import native_block_scales
+    from davit_engine.loader import check_tensor_parallel, native_block_scales
     from davit_engine.shapes import get_shape
 
     shape = dataclasses.replace(
@@ -598,6 +598,8 @@ def test_native_block_scales_need_whole_groups_on_every_rank() -> None:
     with pytest.raises(ParamError) as info:
         native_block_scales(native, shape, "safetensors")
     assert info.value.param == "--fp8-block-scales" and "o_proj" in info.value.message
+    with pytest.raises(ParamError, match="o_proj"):  # the engine's check before ranks start
+        check_tensor_parallel(dataclasses.replace(native, model="/m"), shape)
     odd = dataclasses.replace(shape, weight_blocks=WeightBlocks(32, 40, ".s"))
     with pytest.raises(ParamError, match="40 columns wide"):  # no Triton product takes it
         native_block_scales(dataclasses.replace(native, tensor_parallel_size=1), odd, "safetensors")
