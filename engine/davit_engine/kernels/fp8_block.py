@@ -7,25 +7,26 @@ on its own. The engine holds their scales per output row and group of `group` in
 the rows (q/k/v stacked into one projection, column-parallel ranks) keeps its scales beside
 it. The kernels take any strides of `s`; a prepared module stores it group-major (each group's
 scales for all rows contiguous), so that a program's scales of one K step are one coalesced
-load rather than one per row. Every kernel here multiplies in float32 and applies a group's scale to the sums over that
-group, so W's values are exactly the checkpoint's (an e4m3 code times its block's scale) and
-the activations are not quantized:
+load rather than one per row. The products multiply in float32 and apply a group's scale to
+the sums over that group, so W's values are exactly the checkpoint's (an e4m3 code times its
+block's scale) and the activations are not quantized:
 
-- `block_gemv`: one or two rows (decode at small batch). Each program takes `BLOCK_N` rows of W
-  and one activation row, and reads W one group of columns at a time (16 bytes per thread):
-  widened to float32, multiplied by the row, summed over the group, times the group's scales.
-- `block_gemv_silu_mul`: the same at an MLP's fused gate/up projection with `silu(gate) * up`
-  applied in its epilogue.
-- `block_weight_matmul`: more rows, a matrix-unit tile (fp16 operands, as
+- `block_weight_matmul`: at one or two rows (decode at small batch) a matrix-vector kernel:
+  each program takes `GEMV_BLOCK_N` rows of W and one activation row, and reads W one group of
+  columns at a time (16 bytes per thread), widened to float32, multiplied by the row, summed
+  over the group, times the group's scales. At more rows a matrix-unit tile (fp16 operands, as
   `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
-  rounded to fp16) with one product per group, scaled into a float32 accumulator.
-- `widen_blocks`: W's values in the activation dtype (a transient copy, rounded once: an e4m3
-  code times a float32 scale is not always a bf16 value) for the library's GEMM at many rows.
+  rounded to fp16) with one product per group, scaled into a float32 accumulator. Its
+  plain-torch twin is `block_weight_matmul_reference`.
+- `block_gemv_silu_mul`: the matrix-vector kernel at an MLP's fused gate/up projection with
+  `silu(gate) * up` applied in its epilogue.
+- `widen_blocks`: W's values (`block_values`) in the activation dtype (a transient copy,
+  rounded once: an e4m3 code times a float32 scale is not always a bf16 value) for the
+  library's GEMM at many rows.
 - `quantize_groups`: activations quantized per row and `group` columns (one scale per group,
   its absolute maximum over 448), the layout of the library's block-scaled FP8 GEMM
-  (`torch.nn.functional.scaled_mm` with 1 x 128 and 128 x 128 scales, quant/fp8_linear.py).
-
-Each has a plain-torch twin (`*_reference`) with the same float32 arithmetic.
+  (`torch.nn.functional.scaled_mm` with 1 x 128 and 128 x 128 scales,
+  quant/fp8_block_linear.py).
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ def block_weight_matmul(
     grid = (triton.cdiv(n, TILE_N), triton.cdiv(num_rows, block_m))
     _block_matmul_kernel[grid](
         x, weight, scale, bias_arg, out, num_rows, n, k, groups, x.stride(0), out.stride(0),
-        scale.stride(0), scale.stride(1), HAS_BIAS=bias is not None, F16_DOT=x.dtype != torch.float32, BLOCK_M=block_m,
-        BLOCK_N=TILE_N, GROUP=group,
+        scale.stride(0), scale.stride(1), HAS_BIAS=bias is not None,
+        F16_DOT=x.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=TILE_N, GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3, **pdl_launch(x.device),
     )  # fmt: skip

@@ -230,7 +230,9 @@ def load_model(
             if kind == "random":
                 weights = iter_random_weights(model_config, config.seed, device)
             elif kind == "safetensors":
-                weights = _safetensors_stream(config.model, model_config, device, native_blocks)
+                weights = _safetensors_stream(
+                    config.model, model_config, device, native_blocks is not None
+                )
             assert weights is not None
             if stream_quantized:
                 weights = quantize_weight_stream(weights, dtype, device)
@@ -242,7 +244,7 @@ def load_model(
             model.load_weights(weights, config.model)
         else:
             model.load_weights(
-                _safetensors_stream(config.model, model_config, device, native_blocks),
+                _safetensors_stream(config.model, model_config, device, native_blocks is not None),
                 config.model,
             )
         if native_blocks is not None:
@@ -311,9 +313,9 @@ def native_block_scales(
     Triton products take (`kernel_group`), and under tensor parallelism each rank's cut of a
     row-parallel projection (o_proj, down_proj: their input columns) must hold whole groups of
     scales; otherwise ParamError naming the flag."""
-    blocks = model_config.weight_blocks
     if config.fp8_block_scales != "native":
         return None
+    blocks = model_config.weight_blocks
     if blocks is None or kind != "safetensors":
         logger.info(
             "--fp8-block-scales native: %s has no block-wise FP8 weights, nothing to serve "
@@ -344,18 +346,15 @@ def native_block_scales(
 
 
 def _safetensors_stream(
-    model: str,
-    model_config: ModelConfig,
-    device: torch.device,
-    native_blocks: WeightBlocks | None = None,
+    model: str, model_config: ModelConfig, device: torch.device, native: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A safetensors directory's tensors, block-wise FP8 weights converted to channel scales,
-    or with `native_blocks` their block scales expanded per row."""
+    or with `native` their block scales expanded per row."""
     tensors = safetensors_dir.iter_weights(Path(model))
     blocks = model_config.weight_blocks
     if blocks is None:
         return tensors
-    if native_blocks is not None:
+    if native:
         return convert_block_scaled(tensors, blocks, model, device, native=True)
     logger.warning(
         "%s: FP8 weights with a scale per %dx%d block, re-quantized at load to one scale per "

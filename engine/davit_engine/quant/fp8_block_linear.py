@@ -47,22 +47,16 @@ from davit_engine.kernels.fp8_block import (
 from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.quant.fp8_linear import (
     UNQUANTIZED_INPUTS,
+    Fp8Projection,
     decoder_projections,
-    fp8_parameters,
 )
 
 # The library's block-scaled GEMM: 1 x 128 activation scales, 128 x 128 weight scales.
 LIBRARY_BLOCK = 128
 
 
-class Fp8BlockLinear(nn.Module):
+class Fp8BlockLinear(Fp8Projection):
     """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic)."""
-
-    in_features: int
-    out_features: int
-    weight: nn.Parameter  # [N, K] float8_e4m3fn
-    weight_scale: nn.Parameter  # float32
-    bias: nn.Parameter | None
 
     # Rows up to which CUDA runs the weight-only products (class attributes, as Fp8Linear's).
     weight_only_max_rows = 16
@@ -77,13 +71,9 @@ class Fp8BlockLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
         groups = -(-in_features // group)
-        self.in_features, self.out_features = in_features, out_features
-        self.weight, self.weight_scale, self.bias = fp8_parameters(
-            in_features, out_features, (out_features, groups), bias, dtype, device
-        )
+        super().__init__(in_features, out_features, (out_features, groups), bias, dtype, device)
+        self.group = group
         # [N / 128, K / 128] (the weight's 128 x 128 block scales) where the library's block
         # GEMM can take them: set by `prepare`, once the weights are loaded.
         self.library_scale: torch.Tensor | None = None
@@ -132,9 +122,7 @@ class Fp8BlockLinear(nn.Module):
             raise ValueError(
                 f"Fp8BlockLinear: input has {x.shape[-1]} features, expected {self.in_features}"
             )
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = self._rows(x)
         if flat.device.type == "cuda":
             out = self._forward_cuda(flat)
         else:
@@ -146,9 +134,7 @@ class Fp8BlockLinear(nn.Module):
         fused gate/up projection): on CUDA at one or two rows in the matrix-vector kernel's
         epilogue (the same numbers as the product then `layer_ops.silu_mul`), elsewhere the
         two in turn."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = self._rows(x)
         if (
             flat.device.type == "cuda"
             and flat.shape[0] <= min(GEMV_MAX_ROWS, self.weight_only_max_rows)

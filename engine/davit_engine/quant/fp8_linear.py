@@ -47,43 +47,53 @@ from davit_engine.layers.parallel import VocabParallelLMHead
 from davit_engine.models.config import DECODER_PROJECTIONS
 
 
-def fp8_parameters(
-    in_features: int,
-    out_features: int,
-    scale_shape: tuple[int, ...],
-    bias: bool,
-    dtype: torch.dtype,
-    device: torch.device | str | None,
-) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
-    """Uninitialised `weight` [N, K] float8_e4m3fn, `weight_scale` float32 of `scale_shape` and
-    `bias` [N] of `dtype` (or None), none requiring grad: an FP8 projection's parameters."""
-    weight = nn.Parameter(
-        torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
-    )
-    scale = nn.Parameter(
-        torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
-    )
-    if not bias:
-        return weight, scale, None
-    return (
-        weight,
-        scale,
-        nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False),
-    )
-
-
-class Fp8Linear(nn.Module):
-    """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic).
-
-    `weight` [N, K] float8_e4m3fn and `weight_scale` [N] float32 carry the checkpoint names of
-    FP8 checkpoints; `bias` stays in the activation dtype.
-    """
+class Fp8Projection(nn.Module):
+    """What the FP8 projections share: uninitialised `weight` [N, K] float8_e4m3fn,
+    `weight_scale` float32 of the layout's `scale_shape` and `bias` [N] of `dtype` (or None),
+    none requiring grad, and their inputs as rows."""
 
     in_features: int
     out_features: int
     weight: nn.Parameter  # [N, K] float8_e4m3fn
     weight_scale: nn.Parameter  # float32
     bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scale_shape: tuple[int, ...],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as rows [M, K] with contiguous columns, as the kernels take them."""
+        flat = x.reshape(-1, self.in_features)
+        return flat if flat.stride(1) == 1 else flat.contiguous()
+
+
+class Fp8Linear(Fp8Projection):
+    """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic).
+
+    `weight` [N, K] float8_e4m3fn and `weight_scale` [N] float32 carry the checkpoint names of
+    FP8 checkpoints; `bias` stays in the activation dtype.
+    """
 
     # Rows up to which CUDA runs the weight-only product instead of the FP8 library GEMM
     # (decode at small batch). A class attribute, so a benchmark can move the boundary.
@@ -103,11 +113,7 @@ class Fp8Linear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight, self.weight_scale, self.bias = fp8_parameters(
-            in_features, out_features, (out_features,), bias, dtype, device
-        )
+        super().__init__(in_features, out_features, (out_features,), bias, dtype, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -137,11 +143,6 @@ class Fp8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight=float8_e4m3fn per-channel"
         )
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] as rows [M, K] with contiguous columns, as the kernels take them."""
-        flat = x.reshape(-1, self.in_features)
-        return flat if flat.stride(1) == 1 else flat.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
