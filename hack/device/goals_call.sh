@@ -17,9 +17,13 @@ bench() { python3 -m davit_tools.bench.fp8 "$@" >> "$OUT/log.txt" 2>&1; }
 # Block-wise FP8 served with its own scales (--fp8-block-scales native): its GPU tests, then
 # its products against the channel conversion and bf16 at Llama-8B's shapes (about 60 s).
 block_native() {
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/quant/test_fp8_block_linear.py \
-    tests/engine/loader/test_fp8_checkpoints.py -k "gpu or generate" > "$OUT/block_tests.txt" 2>&1
-  tail -3 "$OUT/block_tests.txt"
+  # the block kernels' and module's tests on this card (their `device` is CUDA here), then the
+  # GPU-marked native tests of the loader and of runner V2's norm chain
+  python3 -m pytest -q -p no:cacheprovider -rf tests/engine/kernels/test_fp8_block.py \
+    tests/engine/quant/test_fp8_block_linear.py > "$OUT/block_tests.txt" 2>&1
+  python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/engine/loader/test_fp8_checkpoints.py \
+    tests/engine/runner/v2/test_fused_layers.py -k native >> "$OUT/block_tests.txt" 2>&1
+  grep -E "passed|failed|FAILED|error" "$OUT/block_tests.txt" | tail -12
   python3 hack/device/block_native_probe.py 1,2,16,512,2048 > "$OUT/block_probe.jsonl" 2>&1
   cat "$OUT/block_probe.jsonl"
 }

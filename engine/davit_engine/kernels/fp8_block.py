@@ -37,6 +37,7 @@ import triton.language as tl
 
 from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import to_f16_saturated
+from davit_engine.kernels.fp8_gemv import inverse_rms, store_add_norm
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
@@ -81,11 +82,19 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     stride_om,
     stride_sn,
     stride_sg,
+    res_ptr,  # ADD_NORM: the residual stream [N], updated in place
+    norm_w_ptr,  # ADD_NORM: the next RMSNorm's weight [N]
+    squares_ptr,  # ADD_NORM: out, one sum of squares per program; NORMED: in, num_squares
+    num_squares,
+    eps,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     USE_GDC: tl.constexpr,
     GATED: tl.constexpr = False,
+    ADD_NORM: tl.constexpr = False,
+    NORMED: tl.constexpr = False,
+    SQUARES_PAD: tl.constexpr = 1,
 ):
     gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
@@ -110,14 +119,19 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
         x = tl.load(x_row + kk, mask=valid, other=0.0)
         part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
         acc += part * tl.load(s_rows + g * stride_sg)
+    if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
+        acc = acc * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_row).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    if GATED:  # silu(gate) * up, gate and up rounded to the activation dtype first
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
-        acc = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(dtype), mask=cols < N)
+    if ADD_NORM:  # one row, no bias, not gated (block_gemv_add_norm)
+        store_add_norm(acc[None, :], cols, pid_n, N, out_ptr, res_ptr, norm_w_ptr, squares_ptr)
+    else:
+        if GATED:  # silu(gate) * up, gate and up rounded to the activation dtype first
+            gate, up = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
+            acc = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + row * stride_om + cols, acc.to(dtype), mask=cols < N)
 
 
 @triton.jit
@@ -191,7 +205,8 @@ def block_weight_matmul(
     if num_rows <= GEMV_MAX_ROWS:
         _block_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), num_rows)](
             x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
-            scale.stride(0), scale.stride(1), HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
+            scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
+            HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
             GROUP=group, num_warps=4,
             **pdl_launch(x.device),
         )  # fmt: skip
@@ -230,9 +245,75 @@ def block_gemv_silu_mul(
         return out
     _block_gemv_kernel[(triton.cdiv(n_w, GEMV_BLOCK_N), num_rows)](
         x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
-        x.stride(0), out.stride(0), scale.stride(0), scale.stride(1),
+        x.stride(0), out.stride(0), scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, GATED=True, num_warps=4,
         **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def _check_one_row(name: str, x: torch.Tensor) -> None:
+    if x.shape[0] != 1:
+        raise ValueError(f"{name}: one row only (got {x.shape[0]})")
+
+
+def block_gemv_add_norm(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, ceil(K / group)] float32
+    group: int,
+    residual: torch.Tensor,  # [1, N] in x's dtype, contiguous: updated in place
+    norm_weight: torch.Tensor,  # [N], the RMSNorm after the add
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([1, N] s * norm weight, [programs] float32)
+    """`fp8_gemv.fp8_gemv_add_norm` for block scales: `s = block_weight_matmul(x) + residual`
+    (the product rounded to x's dtype, then the sum, as `add_rms_norm` rounds them), written
+    into `residual`; returns `s * norm_weight` rounded and each program's sum of `s^2` over its
+    columns, which `block_gemv_normed` and `fp8_gemv.fp8_gemv_normed` take."""
+    _check(x, weight, scale, group)
+    _check_one_row("block_gemv_add_norm", x)
+    n, k = weight.shape
+    assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+    programs = triton.cdiv(n, GEMV_BLOCK_N)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    squares = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _block_gemv_kernel[(programs, 1)](
+        x, weight, scale, scale, out, n, k, scale.shape[1], x.stride(0), out.stride(0),
+        scale.stride(0), scale.stride(1), residual, norm_weight, squares, programs, 0.0,
+        HAS_BIAS=False, BLOCK_N=GEMV_BLOCK_N, GROUP=group, ADD_NORM=True, num_warps=4,
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    return out, squares
+
+
+def block_gemv_normed(
+    x: torch.Tensor,  # [1, K]: s * norm weight, from a producer's add_norm
+    squares: torch.Tensor,  # the producer's sums of squares of s
+    eps: float,  # the RMSNorm's
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, ceil(K / group)] float32
+    group: int,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:  # [1, N] ([1, N / 2] gated)
+    """`fp8_gemv.fp8_gemv_normed` for block scales: the product of `RMSNorm(s)` from
+    `s * norm weight`, the sums times `rsqrt(sum(squares) / K + eps)` (then the bias, and
+    SiLU x up when `gated`)."""
+    _check(x, weight, scale, group)
+    _check_one_row("block_gemv_normed", x)
+    n_w, k = weight.shape
+    assert squares.dtype == torch.float32 and squares.dim() == 1 and squares.is_contiguous()
+    if gated and n_w % 2:
+        raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")
+    n = n_w // 2 if gated else n_w
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    num_squares = squares.shape[0]
+    _block_gemv_kernel[(triton.cdiv(n_w, GEMV_BLOCK_N), 1)](
+        x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
+        x.stride(0), out.stride(0), scale.stride(0), scale.stride(1),
+        out, scale, squares, num_squares, eps,
+        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, GATED=gated, NORMED=True,
+        SQUARES_PAD=triton.next_power_of_2(num_squares), num_warps=4, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

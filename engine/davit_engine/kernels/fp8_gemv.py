@@ -232,9 +232,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
         if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
-            parts = tl.arange(0, SQUARES_PAD)
-            squares = tl.load(squares_ptr + parts, mask=parts < num_squares, other=0.0)
-            total = total * tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            total = total * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
     else:
         acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -256,16 +254,36 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def inverse_rms(  # type: ignore[no-untyped-def]
+    squares_ptr, num_squares, K, eps, SQUARES_PAD: tl.constexpr
+):  # fmt: skip
+    """The RMSNorm's `1 / rms` of s from the sums of squares of s [num_squares] the producer's
+    programs wrote (`store_add_norm`), K the norm's width."""
+    parts = tl.arange(0, SQUARES_PAD)
+    squares = tl.load(squares_ptr + parts, mask=parts < num_squares, other=0.0)
+    return tl.rsqrt(tl.sum(squares, 0) / K + eps)
+
+
+@triton.jit
 def _store_add_norm(  # type: ignore[no-untyped-def]
     total, cols, w_row, pid_n, N, scale_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr
 ):  # fmt: skip
-    """One row's product `total` [1, BLOCK_N] (columns `cols`), scaled and rounded to the
-    activation dtype, added to the residual stream as `layer_ops.add_rms_norm` adds it (the sum
-    `s` rounded, written back in place); out: `s * norm weight` rounded, and the program's sum
-    of `s^2` over its columns."""
+    """`store_add_norm` of one row's product `total` [1, BLOCK_N] times its channel scales."""
+    product = total * tl.load(scale_ptr + w_row)[None, :]
+    store_add_norm(product, cols, pid_n, N, out_ptr, res_ptr, norm_w_ptr, squares_ptr)
+
+
+@triton.jit
+def store_add_norm(  # type: ignore[no-untyped-def]
+    product, cols, pid_n, N, out_ptr, res_ptr, norm_w_ptr, squares_ptr
+):  # fmt: skip
+    """One row's scaled product `product` [1, BLOCK_N] float32 (columns `cols`), rounded to the
+    activation dtype and added to the residual stream as `layer_ops.add_rms_norm` adds it (the
+    sum `s` rounded, written back in place); out: `s * norm weight` rounded, and the program's
+    sum of `s^2` over its columns (at `squares_ptr + pid_n`)."""
     valid = (cols < N)[None, :]
     dtype = out_ptr.dtype.element_ty
-    product = (total * tl.load(scale_ptr + w_row)[None, :]).to(dtype).to(tl.float32)
+    product = product.to(dtype).to(tl.float32)
     dst = cols[None, :]
     residual = tl.load(res_ptr + dst, mask=valid, other=0.0).to(tl.float32)
     s = (product + residual).to(dtype)

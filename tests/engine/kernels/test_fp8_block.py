@@ -136,3 +136,65 @@ def test_gated_epilogue_is_the_product_then_silu_mul(
     assert rel_err(gated, separate) < (1e-6 if dtype == torch.float32 else 1e-2)
     with pytest.raises(ValueError, match="even count"):
         block_gemv_silu_mul(x, codes[:39], scale[:39], 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "gated", "bias"), [(72, False, True), (80, True, False)])
+def test_one_row_chain_with_the_norm_folded_in(
+    device: torch.device, dtype: torch.dtype, n: int, gated: bool, bias: bool
+) -> None:
+    """The norm chain's block forms (runner V2 at one token over `--fp8-block-scales native`):
+    a producer (o or down) with the residual add and the next norm's weight in its epilogue,
+    then a consumer (q/k/v with a bias, or gate/up gated) applying the norm's 1/rms to its
+    sums, against the unfused kernels (the product, `add_rms_norm`, the product). The residual
+    stream is the unfused kernels' bit for bit; the consumer's output differs by one rounding
+    of its input, as for per-channel scales (kernels/fp8_gemv.py)."""
+    _block_norm_chain_case(device, dtype, n, 96, 80, 32, gated, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])
+def test_one_row_chain_with_the_norm_folded_in_real_shapes(n: int, gated: bool) -> None:
+    """Llama-3.1-8B's shapes in bf16 with 128-column groups: o then q/k/v, down then gate/up."""
+    _block_norm_chain_case(torch.device("cuda"), torch.bfloat16, n, 4096,
+                           14336 if gated else 4096, 128, gated, False)  # fmt: skip
+
+
+def _block_norm_chain_case(
+    device: torch.device, dtype: torch.dtype, n: int, k: int, k_in: int, group: int,
+    gated: bool, bias: bool,
+) -> None:  # fmt: skip
+    from davit_engine.kernels.fp8_block import block_gemv_add_norm, block_gemv_normed
+    from davit_engine.kernels.layer_ops import add_rms_norm, silu_mul
+
+    torch.manual_seed(n + k + gated)
+    eps = 1e-5
+    w_o, s_o = _block_weight(k, k_in, group, device)  # producer: k_in inputs -> hidden size k
+    w_next, s_next = _block_weight(n, k, group, device)
+    s_o, s_next = s_o.t().contiguous().t(), s_next.t().contiguous().t()  # group-major, prepared
+    x = torch.randn(1, k_in, device=device).to(dtype)
+    residual = (torch.randn(1, k, device=device) * 3).to(dtype)
+    norm_w = (torch.rand(k, device=device) + 0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+
+    y = block_weight_matmul(x, w_o, s_o, group)
+    ref_x, ref_s = add_rms_norm(y, residual.clone(), norm_w, eps)
+    ref = block_weight_matmul(ref_x, w_next, s_next, group, b)
+    if gated:
+        ref = silu_mul(ref)
+
+    fused_res = residual.clone()
+    xw, squares = block_gemv_add_norm(x, w_o, s_o, group, fused_res, norm_w)
+    assert torch.equal(fused_res, ref_s)
+    # one rounding of s * norm weight (the interpreter rounds bf16 toward zero, the GPU to
+    # nearest: within one step of the product either way)
+    want = ref_s.float() * norm_w.float()
+    assert bool(((xw.float() - want).abs() <= want.abs() * torch.finfo(dtype).eps).all())
+    assert abs(float(squares.double().sum()) / float(ref_s.double().pow(2).sum()) - 1) < 1e-5
+    out = block_gemv_normed(xw, squares, eps, w_next, s_next, group, b, gated=gated)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+    with pytest.raises(ValueError, match="one row only"):
+        block_gemv_normed(torch.cat([xw, xw]), squares, eps, w_next, s_next, group)
+    with pytest.raises(ValueError, match="one row only"):
+        block_gemv_add_norm(torch.cat([x, x]), w_o, s_o, group, fused_res, norm_w)

@@ -200,7 +200,7 @@ def test_norms_folded_into_one_row_products(
     prefill takes the unfused kernels, the step the products with the norms folded in, every
     layer's adds but the last) gives the plain model's logits and KV caches; q/k/v with a bias
     (qwen2) and per-head norms (qwen3) included."""
-    _norm_chain_case(device, model, monkeypatch)
+    _norm_chain_case(device, model, monkeypatch, quantization="fp8")
 
 
 @pytest.mark.gpu
@@ -208,7 +208,43 @@ def test_norms_folded_into_one_row_products(
 def test_norms_folded_into_one_row_products_on_the_gpu(
     model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _norm_chain_case(torch.device("cuda"), model, monkeypatch)
+    _norm_chain_case(torch.device("cuda"), model, monkeypatch, quantization="fp8")
+
+
+@pytest.fixture(scope="module")
+def block_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The random qwen3-tiny written as a block-wise FP8 checkpoint (32 x 32 blocks)."""
+    from safetensors.torch import load_file
+
+    from davit_engine.loader.random_weights import save_hf_directory
+    from davit_tools.bench.fp8_quality import write_block_fp8_checkpoint
+
+    source = tmp_path_factory.mktemp("qwen3-tiny")
+    loaded = load_model(EngineConfig(model="random:qwen3-tiny", dtype="float32", seed=7),
+                        torch.device("cpu"))  # fmt: skip
+    save_hf_directory(loaded.model, source)
+    target = tmp_path_factory.mktemp("qwen3-tiny-blocks") / "blk"
+    weights = list(load_file(str(source / "model.safetensors")).items())
+    write_block_fp8_checkpoint(loaded.config, weights, target, (32, 32))
+    return str(target)
+
+
+def test_norms_folded_into_native_block_products(
+    device: torch.device, block_checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The norm chain over a block-wise checkpoint served with its own scales
+    (`--fp8-block-scales native`): the block kernels' folded forms give the plain model's
+    logits and KV caches."""
+    _norm_chain_case(device, block_checkpoint, monkeypatch, "fp8_block",
+                     fp8_block_scales="native")  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_norms_folded_into_native_block_products_on_the_gpu(
+    block_checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _norm_chain_case(torch.device("cuda"), block_checkpoint, monkeypatch, "fp8_block",
+                     fp8_block_scales="native")  # fmt: skip
 
 
 def _prefill_then_step(
@@ -236,21 +272,29 @@ def _prefill_then_step(
     return logits, torch.stack([c.float() for c in caches])
 
 
-def _norm_chain_case(device: torch.device, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from davit_engine.kernels import fp8_gemv
+def _norm_chain_case(
+    device: torch.device,
+    model: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kernels: str = "fp8_gemv",  # the module whose one-row kernels the chain must take
+    **config_args: object,
+) -> None:
+    from davit_engine.kernels import fp8_block, fp8_gemv
 
     monkeypatch.setattr(fused_layers, "NORM_IN_ONE_ROW_PRODUCTS", True)
     calls = {"add_norm": 0, "normed": 0}
-    for name, key in (("fp8_gemv_add_norm", "add_norm"), ("fp8_gemv_normed", "normed")):
-        original = getattr(fp8_gemv, name)
+    module = {"fp8_gemv": fp8_gemv, "fp8_block": fp8_block}[kernels]
+    prefix = "fp8_gemv" if kernels == "fp8_gemv" else "block_gemv"
+    for key in ("add_norm", "normed"):
+        original = getattr(module, f"{prefix}_{key}")
 
         def counted(*args: object, _f: object = original, _k: str = key, **kw: object) -> object:
             calls[_k] += 1
             return _f(*args, **kw)  # type: ignore[operator]
 
-        monkeypatch.setattr(fp8_gemv, name, counted)
+        monkeypatch.setattr(module, f"{prefix}_{key}", counted)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = EngineConfig(model=model, dtype=dtype, device=device.type, quantization="fp8")
+    config = EngineConfig(model=model, dtype=dtype, device=device.type, **config_args)  # type: ignore[arg-type]
     plain = load_model(config, device).model
     fused = load_model(config, device).model
     fused.load_state_dict(plain.state_dict())
