@@ -81,27 +81,21 @@ def _chain_forms(label: str, x: torch.Tensor, native: Fp8BlockLinear, channel: F
     """At one row, runner V2's norm-chain forms of the product, native against channel
     (microseconds): o and down with the residual add and the next norm's weight in the
     epilogue, q/k/v and gate/up (gated) with the norm's 1/rms on their sums."""
-    from davit_engine.kernels import fp8_block, fp8_gemv
-
     n = native.out_features
     if label in ("o", "down"):
         residual = torch.randn(1, n, device="cuda").bfloat16()
         norm_w = (torch.rand(n, device="cuda") + 0.5).bfloat16()
         forms = {
-            "native_add_norm": lambda: fp8_block.block_gemv_add_norm(
-                x, native.weight, native.weight_scale, native.group, residual, norm_w),
-            "channel_add_norm": lambda: fp8_gemv.fp8_gemv_add_norm(
-                x, channel.weight, channel.weight_scale, residual, norm_w),
-        }  # fmt: skip
+            f"{name}_add_norm": lambda m=m: m.forward_add_norm(x, residual, norm_w)
+            for name, m in (("native", native), ("channel", channel))
+        }
     else:
         squares = torch.rand(256, device="cuda")
         gated = label == "gate_up"
         forms = {
-            "native_normed": lambda: fp8_block.block_gemv_normed(
-                x, squares, 1e-5, native.weight, native.weight_scale, native.group, gated=gated),
-            "channel_normed": lambda: fp8_gemv.fp8_gemv_normed(
-                x, squares, 1e-5, channel.weight, channel.weight_scale, gated=gated),
-        }  # fmt: skip
+            f"{name}_normed": lambda m=m: m.forward_normed(x, squares, 1e-5, gated=gated)
+            for name, m in (("native", native), ("channel", channel))
+        }
     return {f"{name}_us": round(_us(fn), 2) for name, fn in forms.items()}
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from davit_engine.kernels import capability
+from davit_engine.kernels import capability, fp8_block
 from davit_engine.kernels.fp8_block import (
     GEMV_MAX_ROWS,
     block_gemv_silu_mul,
@@ -144,6 +144,23 @@ class Fp8BlockLinear(Fp8Projection):
         else:
             out = silu_mul(self(flat))
         return out.view(*x.shape[:-1], self.out_features // 2)
+
+    def folds_norms(self) -> bool:
+        return kernel_group(self.group)
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_block.block_gemv_add_norm(
+            x, self.weight, self.weight_scale, self.group, residual, norm_weight
+        )
+
+    def forward_normed(
+        self, x: torch.Tensor, squares: torch.Tensor, eps: float, gated: bool = False
+    ) -> torch.Tensor:
+        return fp8_block.block_gemv_normed(
+            x, squares, eps, self.weight, self.weight_scale, self.group, self.bias, gated=gated
+        )
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -87,6 +87,31 @@ class Fp8Projection(nn.Module):
         flat = x.reshape(-1, self.in_features)
         return flat if flat.stride(1) == 1 else flat.contiguous()
 
+    # ---- runner V2's fused forms (runner/v2/fused_layers.py), each layout's own kernels ----
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` [..., N / 2] of this projection's output `[gate | up]`."""
+        raise NotImplementedError
+
+    def folds_norms(self) -> bool:
+        """Whether the one-row kernels of `forward_add_norm` and `forward_normed` take this
+        projection (runner V2's one-token norm chain)."""
+        return True
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's product with the residual add and the next norm's weight in its epilogue
+        (`residual` updated in place): `s * norm weight` and each program's sum of `s^2`."""
+        raise NotImplementedError
+
+    def forward_normed(
+        self, x: torch.Tensor, squares: torch.Tensor, eps: float, gated: bool = False
+    ) -> torch.Tensor:
+        """One row's product of `RMSNorm(s)` from `s * norm weight` and a producer's sums of
+        squares (`forward_add_norm`); `gated`: `silu(gate) * up` of it."""
+        raise NotImplementedError
+
 
 class Fp8Linear(Fp8Projection):
     """Drop-in for `nn.Linear` at inference (see the module docstring for the arithmetic).
@@ -167,6 +192,18 @@ class Fp8Linear(Fp8Projection):
         else:
             out = silu_mul(self.forward(flat))
         return out.view(*x.shape[:-1], self.out_features // 2)
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_gemv.fp8_gemv_add_norm(x, self.weight, self.weight_scale, residual, norm_weight)
+
+    def forward_normed(
+        self, x: torch.Tensor, squares: torch.Tensor, eps: float, gated: bool = False
+    ) -> torch.Tensor:
+        return fp8_gemv.fp8_gemv_normed(
+            x, squares, eps, self.weight, self.weight_scale, self.bias, gated=gated
+        )
 
     def _uses_library_gemm(self, x: torch.Tensor) -> bool:
         if x.shape[0] <= self.weight_only_max_rows or x.dtype != torch.bfloat16:

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from davit_engine.kernels import fp8_block, fp8_gemv, fp8_mlp_block, interpreted
+from davit_engine.kernels import fp8_mlp_block, interpreted
 from davit_engine.kernels.attention_backend import TritonPagedAttention
 from davit_engine.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, silu_mul
 from davit_engine.layers.attention import AttentionMetadata
@@ -38,8 +38,7 @@ from davit_engine.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
-from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
-from davit_engine.quant.fp8_linear import Fp8Linear
+from davit_engine.quant.fp8_linear import Fp8Linear, Fp8Projection
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ FUSE_FP8_GATE_ACTIVATION = True
 def _fused_mlp(module: LlamaMLP) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate_up = module.gate_up_proj
-        if FUSE_FP8_GATE_ACTIVATION and isinstance(gate_up, Fp8Linear | Fp8BlockLinear):
+        if FUSE_FP8_GATE_ACTIVATION and isinstance(gate_up, Fp8Projection):
             return module.down_proj(gate_up.forward_silu_mul(x))
         return module.down_proj(silu_mul(gate_up(x)))
 
@@ -200,8 +199,8 @@ PERSISTENT_FP8_MLP = False
 
 
 # Whether a one-token step folds each residual add + RMSNorm between two FP8 products into
-# them (`fp8_gemv.fp8_gemv_add_norm` after attention and the MLP, `fp8_gemv.fp8_gemv_normed`
-# for q/k/v and gate/up): 63 fewer launches a step at 32 layers (the first layer's input norm
+# them (`Fp8Projection.forward_add_norm` after attention and the MLP, `forward_normed` for
+# q/k/v and gate/up, each scale layout in its own one-row kernel): 63 fewer launches a step at 32 layers (the first layer's input norm
 # and the final norm stay kernels of their own). On: on an H100 (bench notes, run 28) W2 with
 # FP8 weights and KV ran at 288.5 decode tok/s with it against 281.3 without (medians of
 # three), and its GPU tests passed (greedy tokens through runner V2 at float32 equal to the
@@ -209,66 +208,27 @@ PERSISTENT_FP8_MLP = False
 NORM_IN_ONE_ROW_PRODUCTS = True
 
 
-# An FP8 projection the norm chain takes: per-channel scales (`fp8_gemv`'s one-row kernels) or
-# a block-wise checkpoint's own scales (`fp8_block`'s).
-_ChainProjection = Fp8Linear | Fp8BlockLinear
-
-
-def _chain_projection(m: nn.Module) -> bool:
-    if m._forward_hooks:  # tensor parallelism's all-reduce
-        return False
-    if isinstance(m, Fp8BlockLinear):
-        return fp8_block.kernel_group(m.group)
-    return isinstance(m, Fp8Linear)
-
-
-def _fp8_projections(layer: LlamaDecoderLayer) -> tuple[_ChainProjection, ...] | None:
-    """The layer's q/k/v, o, gate/up and down projections where all four are FP8 (either
-    scale layout) without a forward hook and o, gate/up and down without a bias."""
+def _fp8_projections(layer: LlamaDecoderLayer) -> tuple[Fp8Projection, ...] | None:
+    """The layer's q/k/v, o, gate/up and down projections where all four are FP8 projections
+    whose one-row kernels fold the norms (either scale layout: `Fp8Projection.folds_norms`),
+    without a forward hook (tensor parallelism's all-reduce), and o, gate/up and down without a
+    bias."""
     found = (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj,
     )  # fmt: skip
-    if not all(_chain_projection(m) for m in found):
+    if not all(
+        isinstance(m, Fp8Projection) and m.folds_norms() and not m._forward_hooks for m in found
+    ):
         return None
     if any(m.bias is not None for m in found[1:]):
         return None
-    return cast(tuple[_ChainProjection, ...], found)
-
-
-def _add_norm(
-    proj: _ChainProjection, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-row product with the residual add and the next norm's weight in its epilogue,
-    in the kernel of the projection's scale layout."""
-    if isinstance(proj, Fp8BlockLinear):
-        return fp8_block.block_gemv_add_norm(
-            x, proj.weight, proj.weight_scale, proj.group, residual, norm_weight
-        )
-    return fp8_gemv.fp8_gemv_add_norm(x, proj.weight, proj.weight_scale, residual, norm_weight)
-
-
-def _normed(
-    proj: _ChainProjection,
-    x: torch.Tensor,
-    squares: torch.Tensor,
-    eps: float,
-    gated: bool = False,
-) -> torch.Tensor:
-    """The one-row product of the normed input from `s * norm weight` and the producer's sums
-    of squares, in the kernel of the projection's scale layout."""
-    if isinstance(proj, Fp8BlockLinear):
-        return fp8_block.block_gemv_normed(
-            x, squares, eps, proj.weight, proj.weight_scale, proj.group, proj.bias, gated=gated
-        )
-    return fp8_gemv.fp8_gemv_normed(
-        x, squares, eps, proj.weight, proj.weight_scale, proj.bias, gated=gated
-    )
+    return cast(tuple[Fp8Projection, ...], found)
 
 
 def _norm_chain(
     layers: list[LlamaDecoderLayer], hidden: torch.Tensor
-) -> list[tuple[_ChainProjection, ...]] | None:
+) -> list[tuple[Fp8Projection, ...]] | None:
     """Every layer's FP8 projections (`_fp8_projections`) where this step runs the layers with
     the norms folded into the products (the switch, one token, a GPU or Triton's interpreter,
     every layer's projections FP8); None otherwise."""
@@ -277,7 +237,7 @@ def _norm_chain(
     if hidden.device.type != "cuda" and not interpreted():
         return None
     found = [_fp8_projections(layer) for layer in layers]
-    return None if None in found else cast(list[tuple[_ChainProjection, ...]], found)
+    return None if None in found else cast(list[tuple[Fp8Projection, ...]], found)
 
 
 def _fused_model(model: LlamaForCausalLM) -> Any:
@@ -328,7 +288,7 @@ def _fused_model(model: LlamaForCausalLM) -> Any:
 
 def _norm_chain_forward(
     layers: list[LlamaDecoderLayer],
-    projections: list[tuple[_ChainProjection, ...]],  # each layer's q/k/v, o, gate/up, down
+    projections: list[tuple[Fp8Projection, ...]],  # each layer's q/k/v, o, gate/up, down
     norms_after_mlp: list[RMSNorm],
     x: torch.Tensor,  # [1, hidden]: the first layer's input, normed
     residual: torch.Tensor,  # [1, hidden], updated in place
@@ -345,13 +305,13 @@ def _norm_chain_forward(
         zip(layers, projections, kv_caches, norms_after_mlp, strict=True)
     ):
         attn = layer.self_attn
-        qkv = None if squares is None else _normed(qkv_proj, x, squares, eps)
+        qkv = None if squares is None else qkv_proj.forward_normed(x, squares, eps)
         heads = _attention_heads(attn, x, rope[0], rope[1], kv_cache, meta, qkv=qkv)
         post = layer.post_attention_layernorm
-        xw, post_squares = _add_norm(o_proj, heads, residual, post.weight)
-        hidden = _normed(gate_up, xw, post_squares, post.eps, gated=True)
+        xw, post_squares = o_proj.forward_add_norm(heads, residual, post.weight)
+        hidden = gate_up.forward_normed(xw, post_squares, post.eps, gated=True)
         if i < last:
-            x, squares = _add_norm(down, hidden, residual, next_norm.weight)
+            x, squares = down.forward_add_norm(hidden, residual, next_norm.weight)
             eps = next_norm.eps
         else:
             x, residual = add_rms_norm(down(hidden), residual, next_norm.weight, next_norm.eps)
