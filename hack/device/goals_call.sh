@@ -47,7 +47,7 @@ case "$GPU" in
   fi
   if [ $SECONDS -lt $((budget - 90)) ]; then
     bench --sections w1,w2 --rounds 2 --deadline-s 80 \
-      --w1-variants fp8-kv,fp8-kv-rotary-one,fp8-kv-splits-fp8-3w --w2-variants fp8-both,fp8-both-rotary-one
+      --w1-variants fp8-kv,fp8-kv-splits-fp8-1.9w,fp8-kv-splits-fp8-3w --w2-variants fp8-both,fp8-both-rotary-one
   fi
   if [ $SECONDS -lt $((budget - 60)) ]; then block_native; fi
   ;;
