@@ -12,9 +12,10 @@ the sums over that group, so W's values are exactly the checkpoint's (an e4m3 co
 block's scale) and the activations are not quantized:
 
 - `block_weight_matmul`: at one or two rows (decode at small batch) a matrix-vector kernel:
-  each program takes `GEMV_BLOCK_N` rows of W and one activation row, and reads W one group of
-  columns at a time (16 bytes per thread), widened to float32, multiplied by the row, summed
-  over the group, times the group's scales. At more rows a matrix-unit tile (fp16 operands, as
+  each program takes the per-channel one-row product's tile of W (8 rows x 512 columns, or
+  4 x 1,024 where that gives too few programs; at least one group) and one activation row;
+  a K step's W (32 bytes per thread) is widened to float32, multiplied by the row, summed
+  over each group, times the groups' scales. At more rows a matrix-unit tile (fp16 operands, as
   `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
   rounded to fp16) with one product per group, scaled into a float32 accumulator. Its
   plain-torch twin is `block_weight_matmul_reference`.
@@ -37,16 +38,13 @@ import triton.language as tl
 
 from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import to_f16_saturated
-from davit_engine.kernels.fp8_gemv import inverse_rms, store_add_norm
+from davit_engine.kernels.fp8_gemv import default_config, inverse_rms, store_add_norm
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 # Rows up to which `block_weight_matmul` runs the matrix-vector kernel.
 GEMV_MAX_ROWS = 2
-# Columns of W per program of the matrix-vector kernel: with a 128-column group, 16 x 128 bytes
-# per step, 16 per thread of 4 warps.
-GEMV_BLOCK_N = 16
 # The matrix-unit tile: rows and columns per program (K steps are one group).
 TILE_SMALL_M = 16
 TILE_LARGE_M = 64
@@ -66,6 +64,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
     assert scale.dtype == torch.float32  # any strides (prepared modules store it group-major)
     assert tuple(scale.shape) == (n, triton.cdiv(k, group)), (tuple(scale.shape), n, k, group)
     assert kernel_group(group), group
+
+
+def _gemv_tile(n_w: int, k: int, group: int, device: torch.device) -> dict[str, int]:
+    """The matrix-vector kernel's tile for W [n_w, k]: the per-channel one-row product's
+    (`fp8_gemv.default_config`: 8 rows x 512 columns where that gives enough programs, else
+    4 x 1,024), a K step at least one group."""
+    config = default_config(1, n_w, device)
+    block_k = max(config.block_k, group)
+    return {
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": block_k,
+        "EVEN_K": k % block_k == 0,
+        "num_warps": config.num_warps,
+    }
 
 
 @triton.jit
@@ -89,7 +101,9 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     eps,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
     USE_GDC: tl.constexpr,
     GATED: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False,
@@ -107,18 +121,29 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     w_row = tl.minimum(cols, N - 1).to(tl.int64)
     if GATED:
         w_row += (lanes % 2) * N
-    w_rows = w_ptr + w_row[:, None] * K
-    s_rows = s_ptr + w_row * stride_sn
-    ks = tl.arange(0, GROUP)
-    x_row = x_ptr + row * stride_xm
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(0, G):
-        kk = g * GROUP + ks
-        valid = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=valid[None, :], other=0.0)
-        x = tl.load(x_row + kk, mask=valid, other=0.0)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-        acc += part * tl.load(s_rows + g * stride_sg)
+    # A K step is GROUPS groups of GROUP columns: W's [BLOCK_N, GROUPS, GROUP] tile (16 bytes a
+    # thread a load, two a step), its products summed over each group, times the groups' scales.
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    in_group = tl.arange(0, GROUP)
+    step_groups = tl.arange(0, GROUPS)
+    k_tile = step_groups[:, None] * GROUP + in_group[None, :]  # [GROUPS, GROUP]
+    w_rows = w_ptr + w_row[:, None, None] * K  # [BLOCK_N, 1, 1]
+    s_rows = s_ptr + w_row[:, None] * stride_sn  # [BLOCK_N, 1]
+    # x as a [BLOCK_N, GROUPS, GROUP]-shaped broadcast: read in W's layout (as fp8_gemv's).
+    x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None]
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k_tile[None, :, :]
+        if EVEN_K:
+            w = tl.load(w_rows + kk)
+            x = tl.load(x_row + kk)
+        else:
+            w = tl.load(w_rows + kk, mask=kk < K, other=0.0)
+            x = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUPS]
+        g = k0 // GROUP + step_groups[None, :]
+        acc += part * tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)
+    acc = tl.sum(acc, 1)  # [BLOCK_N]
     if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
         acc = acc * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
     if HAS_BIAS:
@@ -203,12 +228,11 @@ def block_weight_matmul(
     groups = scale.shape[1]
     bias_arg = bias if bias is not None else scale
     if num_rows <= GEMV_MAX_ROWS:
-        _block_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), num_rows)](
+        tile = _gemv_tile(n, k, group, x.device)
+        _block_gemv_kernel[(triton.cdiv(n, tile["BLOCK_N"]), num_rows)](
             x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
             scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-            HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
-            GROUP=group, num_warps=4,
-            **pdl_launch(x.device),
+            HAS_BIAS=bias is not None, GROUP=group, **tile, **pdl_launch(x.device),
         )  # fmt: skip
         return out
     block_m = TILE_SMALL_M if num_rows <= TILE_SMALL_M else TILE_LARGE_M
@@ -243,11 +267,11 @@ def block_gemv_silu_mul(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    _block_gemv_kernel[(triton.cdiv(n_w, GEMV_BLOCK_N), num_rows)](
+    tile = _gemv_tile(n_w, k, group, x.device)
+    _block_gemv_kernel[(triton.cdiv(n_w, tile["BLOCK_N"]), num_rows)](
         x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
         x.stride(0), out.stride(0), scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, GATED=True, num_warps=4,
-        **pdl_launch(x.device),
+        HAS_BIAS=bias is not None, GROUP=group, GATED=True, **tile, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -274,14 +298,14 @@ def block_gemv_add_norm(
     n, k = weight.shape
     assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
-    programs = triton.cdiv(n, GEMV_BLOCK_N)
+    tile = _gemv_tile(n, k, group, x.device)
+    programs = triton.cdiv(n, tile["BLOCK_N"])
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     squares = torch.empty(programs, dtype=torch.float32, device=x.device)
     _block_gemv_kernel[(programs, 1)](
         x, weight, scale, scale, out, n, k, scale.shape[1], x.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1), residual, norm_weight, squares, programs, 0.0,
-        HAS_BIAS=False, BLOCK_N=GEMV_BLOCK_N, GROUP=group, ADD_NORM=True, num_warps=4,
-        **pdl_launch(x.device),
+        HAS_BIAS=False, GROUP=group, ADD_NORM=True, **tile, **pdl_launch(x.device),
     )  # fmt: skip
     return out, squares
 
@@ -308,12 +332,13 @@ def block_gemv_normed(
     n = n_w // 2 if gated else n_w
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     num_squares = squares.shape[0]
-    _block_gemv_kernel[(triton.cdiv(n_w, GEMV_BLOCK_N), 1)](
+    tile = _gemv_tile(n_w, k, group, x.device)
+    _block_gemv_kernel[(triton.cdiv(n_w, tile["BLOCK_N"]), 1)](
         x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
         x.stride(0), out.stride(0), scale.stride(0), scale.stride(1),
         out, scale, squares, num_squares, eps,
-        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, GROUP=group, GATED=gated, NORMED=True,
-        SQUARES_PAD=triton.next_power_of_2(num_squares), num_warps=4, **pdl_launch(x.device),
+        HAS_BIAS=bias is not None, GROUP=group, GATED=gated, NORMED=True,
+        SQUARES_PAD=triton.next_power_of_2(num_squares), **tile, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

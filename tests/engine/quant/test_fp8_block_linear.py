@@ -9,9 +9,16 @@ import sys
 import pytest
 import torch
 
+from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8_block import block_values
 from davit_engine.quant.fp8_block_linear import LIBRARY_BLOCK, Fp8BlockLinear
 from tests.engine.kernels.fp8_cases import rel_err
+
+# Tests that run the CUDA kernels on CPU tensors: only under Triton's interpreter (on a GPU
+# machine `test_on_the_gpu_each_regime_is_the_cpus` runs the same choices on the card).
+interpreter_only = pytest.mark.skipif(
+    not interpreted(), reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1"
+)
 
 
 def _module(
@@ -88,6 +95,7 @@ def test_from_dequantize_min_rows_the_widened_copy() -> None:
     assert rel_err(module(x[:3]), _exact(module, x[:3])) < 4e-3  # fewer rows: not widened
 
 
+@interpreter_only
 @pytest.mark.parametrize(
     ("rows", "group", "row_block"),
     [(1, 32, 48), (2, 32, 32), (9, 16, 32), (40, 32, 48), (600, 32, 32)],
@@ -141,6 +149,7 @@ def _bf16_cpu(module: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+@interpreter_only
 def test_silu_mul_of_a_gate_up_projection() -> None:
     """`forward_silu_mul` (the fused MLP's call at decode) is `silu_mul` of the forward."""
     from davit_engine.kernels.layer_ops import silu_mul
