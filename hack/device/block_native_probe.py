@@ -2,7 +2,9 @@
 against the same weights converted to channel scales (`Fp8Linear`, the default) and bf16, at
 Llama-3.1-8B's four projection shapes with 128 x 128 block scales. Prints one JSON line per
 shape and row count: microseconds (CUDA-graph replays, medians) and each output's error
-against the float32 product of the checkpoint's values.
+against the float32 product of the checkpoint's values; from 16 rows also the native module's
+other routes (`native_widened`: W widened then the library's GEMM; `native_tile`: the Triton
+matrix-unit tile).
 
 Run on the GPU machine from the repository root:
 `. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`.
@@ -15,6 +17,7 @@ import sys
 
 import torch
 
+from davit_engine.kernels.fp8_block import block_weight_matmul, widen_blocks
 from davit_engine.models.config import WeightBlocks
 from davit_engine.quant.block_fp8 import channel_scales_from_blocks, expand_block_scales
 from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
@@ -65,6 +68,13 @@ def main() -> None:
                 "channel": lambda m=channel, x=x: m(x),
                 "bf16": lambda w=dense, x=x: torch.nn.functional.linear(x, w),
             }
+            if rows >= 16:  # the native module's other routes at these rows
+                cases["native_widened"] = lambda m=native, x=x: torch.nn.functional.linear(
+                    x, widen_blocks(m.weight, m.weight_scale, 128, torch.bfloat16)
+                )
+                cases["native_tile"] = lambda m=native, x=x: block_weight_matmul(
+                    x, m.weight, m.weight_scale, 128
+                )
             with torch.no_grad():
                 for name, fn in cases.items():
                     out = fn()
