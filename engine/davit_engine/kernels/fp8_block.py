@@ -13,7 +13,7 @@ block's scale) and the activations are not quantized:
 
 - `block_weight_matmul`: at one or two rows (decode at small batch) a matrix-vector kernel:
   each program takes the per-channel one-row product's tile of W (8 rows x 512 columns, or
-  4 x 1,024 where that gives too few programs; at least one group) and one activation row;
+  4 x 1,024 where that gives too few programs; at least one group) and both activation rows;
   a K step's W (32 bytes per thread) is widened to float32, multiplied by the row, summed
   over each group, times the groups' scales. At more rows a matrix-unit tile (fp16 operands, as
   `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
@@ -109,9 +109,11 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     ADD_NORM: tl.constexpr = False,
     NORMED: tl.constexpr = False,
     SQUARES_PAD: tl.constexpr = 1,
+    TWO_ROWS: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
+    # TWO_ROWS: activation rows 0 and 1 in one program, W read once (not with the norm folds)
     row = tl.program_id(1).to(tl.int64)
     # BLOCK_N rows of W. GATED: N output columns from 2N rows ([gate | up]), each column's gate
     # row and up row side by side, BLOCK_N // 2 columns a program.
@@ -121,29 +123,61 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     w_row = tl.minimum(cols, N - 1).to(tl.int64)
     if GATED:
         w_row += (lanes % 2) * N
-    # A K step is GROUPS groups of GROUP columns: W's [BLOCK_N, GROUPS, GROUP] tile (16 bytes a
-    # thread a load, two a step), its products summed over each group, times the groups' scales.
+    # A K step is GROUPS groups of GROUP columns, each group CHUNKS runs of 16 columns: W's
+    # [BLOCK_N, GROUPS, CHUNKS, 16] tile, one run (16 bytes) a thread a load. A thread sums its
+    # run's products in registers and adds them times the group's scale to its accumulator;
+    # the sums across threads wait until after the loop (no shuffles per K step).
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    in_group = tl.arange(0, GROUP)
+    CHUNKS: tl.constexpr = GROUP // 16
     step_groups = tl.arange(0, GROUPS)
-    k_tile = step_groups[:, None] * GROUP + in_group[None, :]  # [GROUPS, GROUP]
-    w_rows = w_ptr + w_row[:, None, None] * K  # [BLOCK_N, 1, 1]
+    k_tile = (
+        step_groups[:, None, None] * GROUP
+        + tl.arange(0, CHUNKS)[None, :, None] * 16
+        + tl.arange(0, 16)[None, None, :]
+    )  # [GROUPS, CHUNKS, 16]
+    w_rows = w_ptr + w_row[:, None, None, None] * K  # [BLOCK_N, 1, 1, 1]
     s_rows = s_ptr + w_row[:, None] * stride_sn  # [BLOCK_N, 1]
-    # x as a [BLOCK_N, GROUPS, GROUP]-shaped broadcast: read in W's layout (as fp8_gemv's).
-    x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None]
-    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    # x as a [BLOCK_N, GROUPS, CHUNKS, 16]-shaped broadcast: read in W's layout (as fp8_gemv's).
+    x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None, None]
+    acc = tl.zeros([BLOCK_N, GROUPS, CHUNKS], dtype=tl.float32)
+    acc_2 = tl.zeros([BLOCK_N, GROUPS, CHUNKS], dtype=tl.float32)  # TWO_ROWS: row 1's
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k_tile[None, :, :]
+        kk = k0 + k_tile[None, :, :, :]
         if EVEN_K:
             w = tl.load(w_rows + kk)
             x = tl.load(x_row + kk)
         else:
             w = tl.load(w_rows + kk, mask=kk < K, other=0.0)
             x = tl.load(x_row + kk, mask=kk < K, other=0.0)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUPS]
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 3)  # [BLOCK_N, GROUPS, CHUNKS]
         g = k0 // GROUP + step_groups[None, :]
-        acc += part * tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)
-    acc = tl.sum(acc, 1)  # [BLOCK_N]
+        scale = tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)  # [BLOCK_N, GROUPS]
+        acc += part * scale[:, :, None]  # each run's sum times its group's scale
+        if TWO_ROWS:
+            if EVEN_K:
+                x = tl.load(x_row + stride_xm + kk)
+            else:
+                x = tl.load(x_row + stride_xm + kk, mask=kk < K, other=0.0)
+            acc_2 += tl.sum(w.to(tl.float32) * x.to(tl.float32), 3) * scale[:, :, None]
+    _store_block_row(tl.sum(tl.sum(acc, 2), 1), row, pid_n, cols, w_row, N, K, stride_om,
+                     bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr, num_squares, eps,
+                     HAS_BIAS, BLOCK_N, GATED, ADD_NORM, NORMED, SQUARES_PAD)  # fmt: skip
+    if TWO_ROWS:
+        _store_block_row(tl.sum(tl.sum(acc_2, 2), 1), row + 1, pid_n, cols, w_row, N, K,
+                         stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr,
+                         num_squares, eps, HAS_BIAS, BLOCK_N, GATED, False, False,
+                         SQUARES_PAD)  # fmt: skip
+
+
+@triton.jit
+def _store_block_row(  # type: ignore[no-untyped-def]
+    acc, row, pid_n, cols, w_row, N, K, stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr,
+    squares_ptr, num_squares, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr, ADD_NORM: tl.constexpr, NORMED: tl.constexpr,
+    SQUARES_PAD: tl.constexpr,
+):  # fmt: skip
+    """One activation row's sums `acc` [BLOCK_N] (W's rows `w_row`): the norm's 1/rms, the
+    bias, then stored (the residual add and next norm's weight, or SiLU x up when gated)."""
     if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
         acc = acc * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
     if HAS_BIAS:
@@ -229,10 +263,11 @@ def block_weight_matmul(
     bias_arg = bias if bias is not None else scale
     if num_rows <= GEMV_MAX_ROWS:
         tile = _gemv_tile(n, k, group, x.device)
-        _block_gemv_kernel[(triton.cdiv(n, tile["BLOCK_N"]), num_rows)](
+        _block_gemv_kernel[(triton.cdiv(n, tile["BLOCK_N"]), 1)](
             x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
             scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-            HAS_BIAS=bias is not None, GROUP=group, **tile, **pdl_launch(x.device),
+            HAS_BIAS=bias is not None, GROUP=group, TWO_ROWS=num_rows == 2, **tile,
+            **pdl_launch(x.device),
         )  # fmt: skip
         return out
     block_m = TILE_SMALL_M if num_rows <= TILE_SMALL_M else TILE_LARGE_M
@@ -268,10 +303,11 @@ def block_gemv_silu_mul(
     if num_rows == 0 or n == 0:
         return out
     tile = _gemv_tile(n_w, k, group, x.device)
-    _block_gemv_kernel[(triton.cdiv(n_w, tile["BLOCK_N"]), num_rows)](
+    _block_gemv_kernel[(triton.cdiv(n_w, tile["BLOCK_N"]), 1)](
         x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
         x.stride(0), out.stride(0), scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-        HAS_BIAS=bias is not None, GROUP=group, GATED=True, **tile, **pdl_launch(x.device),
+        HAS_BIAS=bias is not None, GROUP=group, GATED=True, TWO_ROWS=num_rows == 2, **tile,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
