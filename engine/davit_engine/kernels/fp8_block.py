@@ -123,47 +123,43 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     w_row = tl.minimum(cols, N - 1).to(tl.int64)
     if GATED:
         w_row += (lanes % 2) * N
-    # A K step is GROUPS groups of GROUP columns, each group CHUNKS runs of 16 columns: W's
-    # [BLOCK_N, GROUPS, CHUNKS, 16] tile, one run (16 bytes) a thread a load. A thread sums its
-    # run's products in registers and adds them times the group's scale to its accumulator;
-    # the sums across threads wait until after the loop (no shuffles per K step).
+    # A K step is GROUPS groups of GROUP columns: W's [BLOCK_N, GROUPS, GROUP] tile (16 bytes a
+    # thread a load, two a step), its products summed over each group, times the groups'
+    # scales. (Keeping each thread's 16-column sums apart until after the loop, which drops the
+    # shuffles from it, ran slower on an H100: bench notes, run 33.)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    CHUNKS: tl.constexpr = GROUP // 16
+    in_group = tl.arange(0, GROUP)
     step_groups = tl.arange(0, GROUPS)
-    k_tile = (
-        step_groups[:, None, None] * GROUP
-        + tl.arange(0, CHUNKS)[None, :, None] * 16
-        + tl.arange(0, 16)[None, None, :]
-    )  # [GROUPS, CHUNKS, 16]
-    w_rows = w_ptr + w_row[:, None, None, None] * K  # [BLOCK_N, 1, 1, 1]
+    k_tile = step_groups[:, None] * GROUP + in_group[None, :]  # [GROUPS, GROUP]
+    w_rows = w_ptr + w_row[:, None, None] * K  # [BLOCK_N, 1, 1]
     s_rows = s_ptr + w_row[:, None] * stride_sn  # [BLOCK_N, 1]
-    # x as a [BLOCK_N, GROUPS, CHUNKS, 16]-shaped broadcast: read in W's layout (as fp8_gemv's).
-    x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None, None]
-    acc = tl.zeros([BLOCK_N, GROUPS, CHUNKS], dtype=tl.float32)
-    acc_2 = tl.zeros([BLOCK_N, GROUPS, CHUNKS], dtype=tl.float32)  # TWO_ROWS: row 1's
+    # x as a [BLOCK_N, GROUPS, GROUP]-shaped broadcast: read in W's layout (as fp8_gemv's).
+    x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None]
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    acc_2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # TWO_ROWS: row 1's
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k_tile[None, :, :, :]
+        kk = k0 + k_tile[None, :, :]
         if EVEN_K:
             w = tl.load(w_rows + kk)
             x = tl.load(x_row + kk)
         else:
             w = tl.load(w_rows + kk, mask=kk < K, other=0.0)
             x = tl.load(x_row + kk, mask=kk < K, other=0.0)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 3)  # [BLOCK_N, GROUPS, CHUNKS]
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUPS]
         g = k0 // GROUP + step_groups[None, :]
-        scale = tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)  # [BLOCK_N, GROUPS]
-        acc += part * scale[:, :, None]  # each run's sum times its group's scale
+        scale = tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)
+        acc += part * scale
         if TWO_ROWS:
             if EVEN_K:
                 x = tl.load(x_row + stride_xm + kk)
             else:
                 x = tl.load(x_row + stride_xm + kk, mask=kk < K, other=0.0)
-            acc_2 += tl.sum(w.to(tl.float32) * x.to(tl.float32), 3) * scale[:, :, None]
-    _store_block_row(tl.sum(tl.sum(acc, 2), 1), row, pid_n, cols, w_row, N, K, stride_om,
+            acc_2 += tl.sum(w.to(tl.float32) * x.to(tl.float32), 2) * scale
+    _store_block_row(tl.sum(acc, 1), row, pid_n, cols, w_row, N, K, stride_om,
                      bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr, num_squares, eps,
                      HAS_BIAS, BLOCK_N, GATED, ADD_NORM, NORMED, SQUARES_PAD)  # fmt: skip
     if TWO_ROWS:
-        _store_block_row(tl.sum(tl.sum(acc_2, 2), 1), row + 1, pid_n, cols, w_row, N, K,
+        _store_block_row(tl.sum(acc_2, 1), row + 1, pid_n, cols, w_row, N, K,
                          stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr,
                          num_squares, eps, HAS_BIAS, BLOCK_N, GATED, False, False,
                          SQUARES_PAD)  # fmt: skip
