@@ -7,7 +7,8 @@ other routes (`native_widened`: W widened then the library's GEMM; `native_tile`
 matrix-unit tile).
 
 Run on the GPU machine from the repository root:
-`. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`.
+`. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`; with `gated`, the
+gate/up projection's one-row forms only (plain, gated, normed, both).
 """
 
 from __future__ import annotations
@@ -41,7 +42,40 @@ def _block_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(n, k), scale.float()
 
 
+def gated() -> None:
+    """gate/up at one row: the plain product, the gated one (`silu(gate) * up` in the
+    epilogue) and the gated one with the norm's 1/rms, native against channel (us)."""
+    n, k = SHAPES["gate_up"]
+    codes, scale = _block_weight(n, k)
+    native = Fp8BlockLinear(k, n, False, 128, torch.bfloat16, "cuda")
+    native.weight.data.copy_(codes)
+    native.weight_scale.data.copy_(expand_block_scales(codes, scale, BLOCKS))
+    native.prepare()
+    channel = Fp8Linear(k, n, False, torch.bfloat16, "cuda")
+    c_codes, c_scale = channel_scales_from_blocks(codes, scale, BLOCKS)
+    channel.weight.data.copy_(c_codes)
+    channel.weight_scale.data.copy_(c_scale)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    squares = torch.rand(256, device="cuda")
+    row: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "shape": "gate_up", "rows": 1}
+    with torch.no_grad():
+        for name, m in (("native", native), ("channel", channel)):
+            forms = {
+                "plain": lambda m=m: m(x),
+                "gated": lambda m=m: m.forward_silu_mul(x),
+                "normed": lambda m=m: m.forward_normed(x, squares, 1e-5, gated=False),
+                "normed_gated": lambda m=m: m.forward_normed(x, squares, 1e-5, gated=True),
+            }
+            for form, fn in forms.items():
+                fn()
+                row[f"{name}_{form}_us"] = round(_us(fn), 2)
+    print(json.dumps(row))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["gated"]:
+        gated()
+        return
     rows_list = [int(r) for r in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 16, 512]
     torch.manual_seed(0)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
