@@ -38,12 +38,7 @@ import triton.language as tl
 
 from davit_engine.kernels import interpreted
 from davit_engine.kernels.fp8 import to_f16_saturated
-from davit_engine.kernels.fp8_gemv import (
-    default_config,
-    load_squares,
-    rms_of_squares,
-    store_add_norm,
-)
+from davit_engine.kernels.fp8_gemv import default_config, inverse_rms, store_add_norm
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
 from davit_engine.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
@@ -142,9 +137,6 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None]
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # TWO_ROWS: row 1's
-    # NORMED: the producer's sums of squares read before the loop (written before this
-    # kernel's wait), so that their round trip overlaps W's instead of following it
-    squares = load_squares(squares_ptr, num_squares, SQUARES_PAD if NORMED else 1)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k_tile[None, :, :]
         if EVEN_K:
@@ -164,27 +156,26 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_row + stride_xm + kk, mask=kk < K, other=0.0)
             acc_2 += tl.sum(w.to(tl.float32) * x.to(tl.float32), 2) * scale
     _store_block_row(tl.sum(acc, 1), row, pid_n, cols, w_row, N, K, stride_om,
-                     bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr, squares, eps,
-                     HAS_BIAS, BLOCK_N, GATED, ADD_NORM, NORMED)  # fmt: skip
+                     bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr, num_squares, eps,
+                     HAS_BIAS, BLOCK_N, GATED, ADD_NORM, NORMED, SQUARES_PAD)  # fmt: skip
     if TWO_ROWS:
         _store_block_row(tl.sum(acc_2, 1), row + 1, pid_n, cols, w_row, N, K,
                          stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr,
-                         squares, eps, HAS_BIAS, BLOCK_N, GATED, False, False)  # fmt: skip
+                         num_squares, eps, HAS_BIAS, BLOCK_N, GATED, False, False,
+                         SQUARES_PAD)  # fmt: skip
 
 
 @triton.jit
 def _store_block_row(  # type: ignore[no-untyped-def]
     acc, row, pid_n, cols, w_row, N, K, stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr,
-    squares_ptr, squares, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    squares_ptr, num_squares, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     GATED: tl.constexpr, ADD_NORM: tl.constexpr, NORMED: tl.constexpr,
+    SQUARES_PAD: tl.constexpr,
 ):  # fmt: skip
     """One activation row's sums `acc` [BLOCK_N] (W's rows `w_row`): the norm's 1/rms, the
     bias, then stored (the residual add and next norm's weight, or SiLU x up when gated)."""
-    # NORMED: x is s * norm weight, so the RMSNorm's 1/rms of s applies to the sums (gated
-    # without a bias: to gate's and up's after the split, the same products)
-    SPLIT_NORM: tl.constexpr = NORMED and GATED and not HAS_BIAS
-    if NORMED and not SPLIT_NORM:
-        acc = acc * rms_of_squares(squares, K, eps)
+    if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
+        acc = acc * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_row).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -193,10 +184,6 @@ def _store_block_row(  # type: ignore[no-untyped-def]
     else:
         if GATED:  # silu(gate) * up, gate and up rounded to the activation dtype first
             gate, up = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
-            if SPLIT_NORM:
-                rms = rms_of_squares(squares, K, eps)
-                gate = gate * rms
-                up = up * rms
             acc = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + row * stride_om + cols, acc.to(dtype), mask=cols < N)

@@ -259,19 +259,8 @@ def inverse_rms(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """The RMSNorm's `1 / rms` of s from the sums of squares of s [num_squares] the producer's
     programs wrote (`store_add_norm`), K the norm's width."""
-    return rms_of_squares(load_squares(squares_ptr, num_squares, SQUARES_PAD), K, eps)
-
-
-@triton.jit
-def load_squares(squares_ptr, num_squares, SQUARES_PAD: tl.constexpr):  # type: ignore[no-untyped-def]
-    """`inverse_rms`'s loads, for a kernel that issues them before its K loop."""
     parts = tl.arange(0, SQUARES_PAD)
-    return tl.load(squares_ptr + parts, mask=parts < num_squares, other=0.0)
-
-
-@triton.jit
-def rms_of_squares(squares, K, eps):  # type: ignore[no-untyped-def]
-    """`inverse_rms` of loaded sums of squares."""
+    squares = tl.load(squares_ptr + parts, mask=parts < num_squares, other=0.0)
     return tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
 
