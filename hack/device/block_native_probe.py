@@ -42,10 +42,8 @@ def _block_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(n, k), scale.float()
 
 
-def gated() -> None:
-    """gate/up at one row: the plain product, the gated one (`silu(gate) * up` in the
-    epilogue) and the gated one with the norm's 1/rms, native against channel (us)."""
-    n, k = SHAPES["gate_up"]
+def _projections(n: int, k: int) -> tuple[Fp8BlockLinear, Fp8Linear]:
+    """A random [n, k] block checkpoint's projection served natively and converted."""
     codes, scale = _block_weight(n, k)
     native = Fp8BlockLinear(k, n, False, 128, torch.bfloat16, "cuda")
     native.weight.data.copy_(codes)
@@ -55,6 +53,14 @@ def gated() -> None:
     c_codes, c_scale = channel_scales_from_blocks(codes, scale, BLOCKS)
     channel.weight.data.copy_(c_codes)
     channel.weight_scale.data.copy_(c_scale)
+    return native, channel
+
+
+def gated() -> None:
+    """gate/up at one row: the plain product, the gated one (`silu(gate) * up` in the
+    epilogue) and the gated one with the norm's 1/rms, native against channel (us)."""
+    n, k = SHAPES["gate_up"]
+    native, channel = _projections(n, k)
     x = torch.randn(1, k, device="cuda").bfloat16()
     squares = torch.rand(256, device="cuda")
     row: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "shape": "gate_up", "rows": 1}
@@ -81,15 +87,7 @@ def main() -> None:
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "blocks": "128x128", "dtype": "bfloat16"}))  # fmt: skip
     for label, (n, k) in SHAPES.items():
-        codes, scale = _block_weight(n, k)
-        native = Fp8BlockLinear(k, n, False, 128, torch.bfloat16, "cuda")
-        native.weight.data.copy_(codes)
-        native.weight_scale.data.copy_(expand_block_scales(codes, scale, BLOCKS))
-        native.prepare()
-        channel = Fp8Linear(k, n, False, torch.bfloat16, "cuda")
-        c_codes, c_scale = channel_scales_from_blocks(codes, scale, BLOCKS)
-        channel.weight.data.copy_(c_codes)
-        channel.weight_scale.data.copy_(c_scale)
+        native, channel = _projections(n, k)
         values = native.dequantized_weight(torch.float32)
         dense = values.bfloat16()
         for rows in rows_list:
