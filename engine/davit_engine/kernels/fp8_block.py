@@ -14,7 +14,7 @@ block's scale) and the activations are not quantized:
 - `block_weight_matmul`: at one or two rows (decode at small batch) a matrix-vector kernel:
   each program takes the per-channel one-row product's tile of W (8 rows x 512 columns, or
   4 x 1,024 where that gives too few programs; at least one group) and both activation rows;
-  a K step's W (32 bytes per thread) is widened to float32, multiplied by the row, summed
+  a K step's W (32 bytes per thread) is widened to float32, multiplied by each row, summed
   over each group, times the groups' scales. At more rows a matrix-unit tile (fp16 operands, as
   `kernels/fp8_linear.fp8_weight_matmul`: e4m3 widens to fp16 exactly, bf16 activations are
   rounded to fp16) with one product per group, scaled into a float32 accumulator. Its
@@ -113,8 +113,7 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
 ):
     gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
-    # TWO_ROWS: activation rows 0 and 1 in one program, W read once (not with the norm folds)
-    row = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)  # the launches' grid has one: 0
     # BLOCK_N rows of W. GATED: N output columns from 2N rows ([gate | up]), each column's gate
     # row and up row side by side, BLOCK_N // 2 columns a program.
     lanes = tl.arange(0, BLOCK_N)
@@ -133,27 +132,21 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
     k_tile = step_groups[:, None] * GROUP + in_group[None, :]  # [GROUPS, GROUP]
     w_rows = w_ptr + w_row[:, None, None] * K  # [BLOCK_N, 1, 1]
     s_rows = s_ptr + w_row[:, None] * stride_sn  # [BLOCK_N, 1]
-    # x as a [BLOCK_N, GROUPS, GROUP]-shaped broadcast: read in W's layout (as fp8_gemv's).
+    # x's row 0 as a [BLOCK_N, GROUPS, GROUP]-shaped broadcast: read in W's layout (as
+    # fp8_gemv's). TWO_ROWS: row 1 too, in the same program (W read once; not with the folds).
     x_row = x_ptr + row * stride_xm + (w_row * 0)[:, None, None]
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_2 = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # TWO_ROWS: row 1's
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k_tile[None, :, :]
-        if EVEN_K:
-            w = tl.load(w_rows + kk)
-            x = tl.load(x_row + kk)
-        else:
-            w = tl.load(w_rows + kk, mask=kk < K, other=0.0)
-            x = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        w = _load_k(w_rows + kk, kk, K, EVEN_K)
+        x = _load_k(x_row + kk, kk, K, EVEN_K)
         part = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)  # [BLOCK_N, GROUPS]
         g = k0 // GROUP + step_groups[None, :]
         scale = tl.load(s_rows + g * stride_sg, mask=g < G, other=0.0)
         acc += part * scale
         if TWO_ROWS:
-            if EVEN_K:
-                x = tl.load(x_row + stride_xm + kk)
-            else:
-                x = tl.load(x_row + stride_xm + kk, mask=kk < K, other=0.0)
+            x = _load_k(x_row + stride_xm + kk, kk, K, EVEN_K)
             acc_2 += tl.sum(w.to(tl.float32) * x.to(tl.float32), 2) * scale
     _store_block_row(tl.sum(acc, 1), row, pid_n, cols, w_row, N, K, stride_om,
                      bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr, num_squares, eps,
@@ -163,6 +156,14 @@ def _block_gemv_kernel(  # type: ignore[no-untyped-def]
                          stride_om, bias_ptr, out_ptr, res_ptr, norm_w_ptr, squares_ptr,
                          num_squares, eps, HAS_BIAS, BLOCK_N, GATED, False, False,
                          SQUARES_PAD)  # fmt: skip
+
+
+@triton.jit
+def _load_k(ptrs, kk, K, EVEN_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A K step's values at `ptrs` (columns `kk`), zero past K unless the steps divide it."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=kk < K, other=0.0)
 
 
 @triton.jit
