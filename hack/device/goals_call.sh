@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call for issue 18's goals. On an H200: W1 and W2 with bf16 in the same process
 # (three interleaved rounds), then as GOALS_BUDGET_S allows the FP8 decode tiles and the
-# one-row product tiles at this card's bandwidth, the read ceiling, W1 again in the best
-# decode tile if the sweep found one more than 2% faster over W1's steps, two switches and the
-# native block-scale checks (block_native). On another card: $H100_CMD if set, else block_native.
+# one-row product tiles and forms at this card's bandwidth, the read ceiling, W1 again in the
+# best decode tile if the sweep found one more than 2% faster over W1's steps, W2 in the
+# one-row forms the sweep found more than 2% faster (best_gemv.py), the switches (two K steps
+# a round among them) and the native block-scale checks (block_native). On another card:
+# $H100_CMD if set, else block_native.
 #   [H100_CMD='bench --sections w2-profile ...'] [GOALS_BUDGET_S=450] [GOALS_ROUNDS=3] \
 #   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head,bf16] bash hack/device/goals_call.sh  (under $OUT)
 set -u
@@ -34,8 +36,10 @@ case "$GPU" in
   bench --sections w1,w2 --rounds "${GOALS_ROUNDS:-3}" --deadline-s 120 --w1-variants bf16,fp8-kv \
     --w2-variants "${GOALS_W2_VARIANTS:-fp8-both,fp8-both-lm-head,bf16}"
   if [ $SECONDS -lt $((budget - 120)) ]; then
-    bench --sections decode-tiles,gemm --gemm-rows 1 --gemm-configs "" --deadline-s 100 \
-      --gemv-configs "8/512/4/0;4/1024/4/0;16/512/4/0;8/1024/4/0;8/512/4/0/3;8/512/4/0/4;4/1024/4/0/4"
+    bench --sections decode-tiles,gemm --gemm-rows 1 --gemm-configs "" --deadline-s 130 \
+      --gemv-configs "$(printf '%s;' 8/512/4/0 4/1024/4/0 16/512/4/0 8/1024/4/0 \
+        8/512/4/0/0/0/2 4/1024/4/0/0/0/2 8/512/4/0/3 4/1024/4/0/3 8/512/4/0/4 4/1024/4/0/4 \
+        8/512/4/0/4/1 4/1024/4/0/4/1)"
   fi
   if [ $SECONDS -lt $((budget - 40)) ]; then
     python3 hack/device/read_ceiling.py > "$OUT/ceiling.txt" 2>&1
@@ -45,9 +49,17 @@ case "$GPU" in
   if [ -n "$best" ] && [ $SECONDS -lt $((budget - 90)) ]; then
     bench --sections w1 --rounds 2 --deadline-s 80 --w1-variants "bf16,fp8-kv,$best"
   fi
+  # the one-row product forms that beat the engine's in the sweep, in W2 (two K steps a
+  # round is timed below in any case)
+  gemv=$(python3 hack/device/best_gemv.py "$OUT/fp8.jsonl" | sed 's/fp8-both-unroll2,\?//; s/,$//')
+  echo "one-row forms to time in W2: ${gemv:-none}"
+  if [ -n "$gemv" ] && [ $SECONDS -lt $((budget - 90)) ]; then
+    bench --sections w2 --rounds 2 --deadline-s 80 --w2-variants "fp8-both,$gemv"
+  fi
   if [ $SECONDS -lt $((budget - 90)) ]; then
     bench --sections w1,w2 --rounds 2 --deadline-s 80 \
-      --w1-variants fp8-kv,fp8-kv-splits-fp8-1.9w,fp8-kv-splits-fp8-3w --w2-variants fp8-both,fp8-both-rotary-one
+      --w1-variants fp8-kv,fp8-kv-splits-fp8-1.9w,fp8-kv-splits-fp8-3w \
+      --w2-variants fp8-both,fp8-both-unroll2,fp8-both-rotary-one
   fi
   if [ $SECONDS -lt $((budget - 60)) ]; then block_native; fi
   ;;

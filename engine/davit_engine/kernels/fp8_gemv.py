@@ -67,13 +67,17 @@ class GemvConfig:
     split_k: int = 0
     stages: int = 0
     preload: int = 0
+    unroll: int = 1
 
     @property
     def label(self) -> str:
         split = f"s{self.split_k}" if self.split_k else "sauto"
         stream = f"t{self.stages}" if self.stages else ""
         preload = "p" if self.preload else ""
-        return f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}{stream}{preload}"
+        unroll = f"u{self.unroll}" if self.unroll > 1 else ""
+        return (
+            f"gemv_{self.block_n}x{self.block_k}w{self.num_warps}{split}{stream}{preload}{unroll}"
+        )
 
 
 # One row: 8 x 512 bytes of W per program and step (32 bytes per thread of 4 warps), about
@@ -107,6 +111,17 @@ STREAM_PRELOAD = 0
 # and rotary), though the one-row qkv product alone was 1.6% faster (11.12 us against 11.30).
 # A switch for the bench's variants.
 PLAIN_PRELOAD = 0
+# The one-row default's plain loads two K steps a round (`GemvConfig.unroll`): off. On an
+# H100 (bench notes, run 27) the products were level with it (qkv 11.26 us against 11.37,
+# gate/up 42.58 against 42.63) and W2 too (281.2 decode tok/s against 281.5): that card's
+# products already run at 93-95% of a plain read of their size. A switch for the bench's
+# variants, for cards that stream faster with the same latency (more bytes must be in flight).
+PLAIN_UNROLL = 1
+# Registers a program may take at two K steps a round. Uncapped, ptxas (Triton 3.9, sm_90)
+# gives the kernel 69-71 and issues the second step's loads after the first step's
+# multiply-adds, so no more bytes are in flight than at one step; at 80 it issues both steps'
+# loads first (6 programs a multiprocessor: 48 KB of W in flight against 7-8 x 4 KB).
+UNROLL_MAX_REGISTERS = 80
 
 
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
@@ -122,6 +137,8 @@ def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
         config = dataclasses.replace(config, stages=STREAM_STAGES, preload=STREAM_PRELOAD)
     elif PLAIN_PRELOAD:
         config = dataclasses.replace(config, preload=1)
+    if PLAIN_UNROLL > 1 and not STREAM_STAGES:
+        config = dataclasses.replace(config, unroll=PLAIN_UNROLL)
     return config
 
 
@@ -181,6 +198,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     ADD_NORM: tl.constexpr = False,
     NORMED: tl.constexpr = False,
     SQUARES_PAD: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1,  # one row, EVEN_K: 2 = two steps' loads a round
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -221,15 +239,31 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_row + (k_begin + ks)[None, :])
                 acc2 += w_first.to(tl.float32) * x.to(tl.float32)
             k_loop += BLOCK_K
-        for k0 in range(k_loop, k_end, BLOCK_K):
-            kk = k0 + ks
-            if EVEN_K:
+        if UNROLL == 2 and EVEN_K:  # pairs of steps, then the odd step left, if any
+            for k0 in range(k_loop, k_end - BLOCK_K, 2 * BLOCK_K):
+                kk = k0 + ks
+                w = tl.load(w_rows + kk[None, :])
+                w_next = tl.load(w_rows + (kk + BLOCK_K)[None, :])
+                x = tl.load(x_row + kk[None, :])
+                x_next = tl.load(x_row + (kk + BLOCK_K)[None, :])
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += w_next.to(tl.float32) * x_next.to(tl.float32)
+            steps = (k_end - k_loop) // BLOCK_K
+            if steps > 0 and steps % 2 == 1:
+                kk = k_end - BLOCK_K + ks
                 w = tl.load(w_rows + kk[None, :])
                 x = tl.load(x_row + kk[None, :])
-            else:
-                w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
-                x = tl.load(x_row + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            for k0 in range(k_loop, k_end, BLOCK_K):
+                kk = k0 + ks
+                if EVEN_K:
+                    w = tl.load(w_rows + kk[None, :])
+                    x = tl.load(x_row + kk[None, :])
+                else:
+                    w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
+                    x = tl.load(x_row + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
         if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
             total = total * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
@@ -494,6 +528,7 @@ def fp8_gemv(
             HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
             PRELOAD=bool(cfg.preload) and rows_per_program == 1 and k % cfg.block_k == 0,
+            **(_unroll(cfg) if rows_per_program == 1 else {}),
             num_warps=cfg.num_warps, num_stages=1, **launch,
         )  # fmt: skip
     if split_k > 1:
@@ -534,6 +569,13 @@ def _one_row_config(n_w: int, device: torch.device) -> GemvConfig:
     return dataclasses.replace(default_config(1, n_w, device), split_k=1, stages=0, preload=0)
 
 
+def _unroll(cfg: GemvConfig) -> dict[str, int]:
+    """The launch arguments of a one-row product at `cfg.unroll`."""
+    if cfg.unroll > 1:
+        return {"UNROLL": 2, "maxnreg": UNROLL_MAX_REGISTERS}
+    return {"UNROLL": 1}
+
+
 def fp8_gemv_add_norm(
     x: torch.Tensor,  # [1, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -557,7 +599,7 @@ def fp8_gemv_add_norm(
         residual, norm_weight, squares, programs, 0.0,
         HAS_BIAS=False, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1,
         EVEN_K=k % cfg.block_k == 0, GATED=False, PRELOAD=False, ADD_NORM=True,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
+        **_unroll(cfg), num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
     )  # fmt: skip
     return out, squares
 
@@ -589,7 +631,7 @@ def fp8_gemv_normed(
         out, weight_scale, squares, num_squares, eps,
         HAS_BIAS=bias is not None, ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=1, EVEN_K=k % cfg.block_k == 0, GATED=gated, PRELOAD=False, NORMED=True,
-        SQUARES_PAD=triton.next_power_of_2(num_squares),
+        SQUARES_PAD=triton.next_power_of_2(num_squares), **_unroll(cfg),
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x.device),
     )  # fmt: skip
     return out

@@ -265,6 +265,45 @@ def test_plain_preload_equals_plain(
     assert torch.equal(gemv(x, weight, scale, None, cfg), gemv(x, weight, scale, None, plain))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(
+    ("n", "k", "split_k", "preload"),
+    [(38, 256, 1, 0), (40, 448, 1, 1), (40, 1024, 2, 0), (24, 1152, 8, 1), (16, 1152, 8, 0)],
+)
+def test_two_steps_a_round_equal_one(
+    device: torch.device, gated: bool, n: int, k: int, split_k: int, preload: int
+) -> None:
+    """Two K steps' loads a round (`unroll` 2): the numbers of one step a round, bit for bit, at
+    an even and an odd number of steps per split (448 = 7 steps of 64; 1,152 in 8 splits of 3
+    steps, the last two starting past K's end), after a preloaded first tile, and at a partial
+    last tile of rows. Several rows and a K tail inside a step take one step a round."""
+    torch.manual_seed(n + k + split_k + gated + preload)
+    weight, scale = _weights(n, k, device)
+    b = torch.randn(n, device=device)
+    plain = GemvConfig(8, 64, 4, split_k=split_k, preload=preload)
+    cfg = dataclasses.replace(plain, unroll=2)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, device=device)
+        out = gemv(x, weight, scale, b, cfg, gated=gated)
+        assert torch.equal(out, gemv(x, weight, scale, b, plain, gated=gated))
+        if not gated:
+            assert _rel_err(out, fp8_weight_matmul_reference(x, weight, scale, b)) < 1e-5
+    weight, scale = _weights(n, k - 8, device)  # a K tail
+    x = torch.randn(1, k - 8, device=device)
+    assert torch.equal(gemv(x, weight, scale, None, cfg), gemv(x, weight, scale, None, plain))
+
+
+def test_unroll_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert fp8_gemv.default_config(1, 4096, cpu).unroll == 1  # off until timed
+    monkeypatch.setattr(fp8_gemv, "PLAIN_UNROLL", 2)
+    one_row = fp8_gemv.default_config(1, 4096, cpu)
+    assert (one_row.unroll, one_row.label) == (2, "gemv_8x512w4sautou2")
+    assert fp8_gemv.default_config(2, 4096, cpu) == fp8_gemv.FEW_ROWS_CONFIG
+    monkeypatch.setattr(fp8_gemv, "STREAM_STAGES", 3)  # streamed W takes no unroll
+    assert fp8_gemv.default_config(1, 4096, cpu).unroll == 1
+
+
 def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cpu")
     assert fp8_gemv.default_config(1, 4096, gpu).stages == 0  # off until timed
@@ -346,6 +385,26 @@ def test_plain_preload_real_shapes_in_a_graph(
         assert torch.equal(out, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_two_steps_a_round_real_shapes_in_a_graph(
+    device: torch.device, gated: bool, n: int, k: int
+) -> None:
+    """W2's shapes at the engine's one-row tiles with two K steps a round (14 steps at down's
+    4 x 1,024 tile, 8 elsewhere), three launches back to back in a captured graph: the plain
+    kernel's numbers."""
+    torch.manual_seed(n + k + gated + 1)
+    weight, scale = _weights(n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    base = fp8_gemv.default_config(1, n, device)
+    outs, expected = _replayed_in_a_graph(
+        x, weight, scale, dataclasses.replace(base, unroll=2), base, gated
+    )
+    for out in outs:
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("n", "k", "gated", "bias"), [(96, 130, False, True), (160, 96, True, False)]
@@ -359,6 +418,31 @@ def test_one_row_chain_with_the_norm_folded_in(
     unfused kernels' bit for bit; the consumer's output differs by one rounding of its input
     (see fp8_gemv.py)."""
     _norm_chain_case(device, dtype, n, k, 200, gated, bias)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_row_chain_two_steps_a_round(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    """The norm chain's products with the default tile at two K steps a round
+    (`PLAIN_UNROLL`): the numbers of one step a round, bit for bit (the producer's K an odd
+    number of the tile's steps, the consumer's an even one)."""
+    torch.manual_seed(7 + gated)
+    k_in, k, n = 3 * 1024, 2048, 64
+    w_o, s_o = _weights(k, k_in, device)
+    w_next, s_next = _weights(n, k, device)
+    x = torch.randn(1, k_in, device=device).to(torch.bfloat16)
+    residual = torch.randn(1, k, device=device).to(torch.bfloat16)
+    norm_w = (torch.rand(k, device=device) + 0.5).to(torch.bfloat16)
+    results = []
+    for unroll in (1, 2):
+        monkeypatch.setattr(fp8_gemv, "PLAIN_UNROLL", unroll)
+        res = residual.clone()
+        xw, squares = fp8_gemv.fp8_gemv_add_norm(x, w_o, s_o, res, norm_w)
+        out = fp8_gemv.fp8_gemv_normed(xw, squares, 1e-5, w_next, s_next, gated=gated)
+        results.append((res, xw, squares, out))
+    for once, twice in zip(*results, strict=True):
+        assert torch.equal(once, twice)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,8 @@ def test_idle_figures_classes() -> None:
         (["--gemv-configs", "8/512/4"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4/0/1"], "--gemv-configs"),
         (["--gemv-configs", "8/512/4/0/3/2"], "--gemv-configs"),
-        (["--gemv-configs", "8/512/4/0/3/1/1"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/3/1/3"], "--gemv-configs"),
+        (["--gemv-configs", "8/512/4/0/0/0/2/1"], "--gemv-configs"),
         (["--gemm-configs", "32/512/x/4"], "--gemm-configs"),
     ],
 )
@@ -186,7 +187,11 @@ def test_gemv_configs_parse() -> None:
     (plain_preload,) = fp8._parse_gemv_configs("8/512/4/0/0/1")
     assert (plain_preload.stages, plain_preload.preload) == (0, 1)
     assert plain_preload.label == "gemv_8x512w4sautop"
-    for bad in ("8/512/4/0/1", "8/512/4/0/0/2", "8/512/4", "8/512/4/0/3/1/1", "8/x/4/0"):
+    (unrolled,) = fp8._parse_gemv_configs("8/512/4/0/0/0/2")
+    assert (unrolled.stages, unrolled.unroll, unrolled.label) == (0, 2, "gemv_8x512w4sautou2")
+    bad_ones = ("8/512/4/0/1", "8/512/4/0/0/2", "8/512/4", "8/512/4/0/3/1/3", "8/512/4/0/0/0/2/1",
+                "8/x/4/0")  # fmt: skip
+    for bad in bad_ones:
         with pytest.raises(ValueError, match="--gemv-configs"):
             fp8._parse_gemv_configs(bad)
 

@@ -164,25 +164,29 @@ def _parse_configs(text: str) -> list[Any]:
 
 
 def _parse_gemv_configs(text: str) -> list[Any]:
-    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]];...` -> GemvConfigs (SPLIT_K 0: the
-    engine's choice; STAGES >= 2: W streamed through that many pipeline stages at one row;
-    PRELOAD 1: at one row, the first tile of W fetched before the wait for the kernel before,
-    streamed or with the plain loads)."""
+    """`BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD[/UNROLL]]];...` -> GemvConfigs (SPLIT_K
+    0: the engine's choice; STAGES >= 2: W streamed through that many pipeline stages at one
+    row; PRELOAD 1: at one row, the first tile of W fetched before the wait for the kernel
+    before, streamed or with the plain loads; UNROLL 2: at one row with the plain loads, two K
+    steps' loads a round)."""
     from davit_engine.kernels.fp8_gemv import GemvConfig
 
     configs = []
     for item in filter(None, text.split(";")):
         fields = item.split("/")
-        if not 4 <= len(fields) <= 6 or not all(v.isdigit() for v in fields):
+        if not 4 <= len(fields) <= 7 or not all(v.isdigit() for v in fields):
             raise ValueError(
-                f"--gemv-configs: {item!r} is not BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD]]"
+                f"--gemv-configs: {item!r} is not "
+                "BLOCK_N/BLOCK_K/WARPS/SPLIT_K[/STAGES[/PRELOAD[/UNROLL]]]"
             )
-        n, k, w, split, stages, preload = (int(v) for v in fields + ["0"] * (6 - len(fields)))
-        if stages == 1 or preload not in (0, 1):
+        n, k, w, split, stages, preload = (int(v) for v in (fields + ["0"] * 6)[:6])
+        unroll = int(fields[6]) if len(fields) == 7 else 1
+        if stages == 1 or preload not in (0, 1) or unroll not in (1, 2):
             raise ValueError(
-                f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 or 1"
+                f"--gemv-configs: {item!r}: STAGES is 0 (plain loads) or at least 2, PRELOAD 0 "
+                "or 1, UNROLL 1 or 2"
             )
-        config = GemvConfig(n, k, w, split_k=split, stages=stages, preload=preload)
+        config = GemvConfig(n, k, w, split_k=split, stages=stages, preload=preload, unroll=unroll)
         configs.append(config)
     return configs
 
@@ -1042,6 +1046,11 @@ VARIANTS = {
     # kernel before (fp8_gemv.PLAIN_PRELOAD)
     "fp8-both-preload": Variant(
         "fp8-both-preload", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_PRELOAD", 1),)
+    ),
+    # the plain one-row products (the norm chain's included) with two K steps' loads a round
+    # (fp8_gemv.PLAIN_UNROLL)
+    "fp8-both-unroll2": Variant(
+        "fp8-both-unroll2", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 2),)
     ),
 }
 
