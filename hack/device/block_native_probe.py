@@ -4,7 +4,7 @@ Llama-3.1-8B's four projection shapes with 128 x 128 block scales. Prints one JS
 shape and row count: microseconds (CUDA-graph replays, medians) and each output's error
 against the float32 product of the checkpoint's values; from 16 rows also the native module's
 other routes (`native_widened`: W widened then the library's GEMM; `native_tile`: the Triton
-matrix-unit tile).
+matrix-unit tile) and the library route's activation quantization alone (`quantize_groups`).
 
 Run on the GPU machine from the repository root:
 `. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`; with `gated`, the
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from davit_engine.kernels.fp8_block import block_weight_matmul, widen_blocks
+from davit_engine.kernels.fp8_block import block_weight_matmul, quantize_groups, widen_blocks
 from davit_engine.models.config import WeightBlocks
 from davit_engine.quant.block_fp8 import channel_scales_from_blocks, expand_block_scales
 from davit_engine.quant.fp8_block_linear import Fp8BlockLinear
@@ -113,6 +113,10 @@ def main() -> None:
                     err = float((out.float() - exact).norm() / exact.norm())
                     row[f"{name}_us"] = round(_us(fn), 2)
                     row[f"{name}_rel_err"] = round(err, 5)
+            if rows >= 16:  # the library route's activation quantization alone
+                row["quantize_groups_us"] = round(
+                    _us(lambda x=x: quantize_groups(x, 128, rows_minor=True)), 2
+                )
             if rows == 1:
                 row.update(_chain_forms(label, x, native, channel))
             print(json.dumps(row))

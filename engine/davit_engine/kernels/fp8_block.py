@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from davit_engine.kernels import interpreted
-from davit_engine.kernels.fp8 import to_f16_saturated
+from davit_engine.kernels.fp8 import round_to_e4m3, to_f16_saturated
 from davit_engine.kernels.fp8_gemv import default_config, inverse_rms, store_add_norm
 from davit_engine.kernels.layer_ops import silu_times
 from davit_engine.kernels.pdl import gdc_enter, pdl_launch
@@ -431,13 +431,58 @@ def widen_blocks(
     return out
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of `group`) -> (FP8 codes [M, K], float32 scales [M, K / group])
-    with `x ~ q * scale` per row and group: the group's absolute maximum over 448 (at least
-    `MIN_SCALE`), the value divided by it in float32 and rounded to nearest e4m3."""
+@triton.jit
+def _quantize_groups_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, q_ptr, s_ptr, G, stride_xm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    """One row's `GROUPS` groups of `GROUP` columns: each group's scale (its absolute maximum
+    over 448, at least 1e-12), its values divided by it and rounded to e4m3."""
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    valid = groups < G
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=valid[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.maximum(tl.fdiv(amax, 448.0, ieee_rounding=True), 1e-12)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=valid)
+    q = round_to_e4m3(tl.fdiv(x, scale[:, None], ieee_rounding=True))
+    tl.store(q_ptr + row * (G * GROUP) + cols, q.to(q_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+# Values per program of `quantize_groups`' kernel (2 KB of bf16 activations).
+_QUANTIZE_VALUES = 1024
+
+
+def quantize_groups(
+    x: torch.Tensor, group: int, rows_minor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of `group`, rows contiguous) -> (FP8 codes [M, K], float32
+    scales [M, K / group]) with `x ~ q * scale` per row and group: the group's absolute
+    maximum over 448 (at least `MIN_SCALE`), the value divided by it in float32 and rounded to
+    nearest e4m3. `rows_minor`: the scales stored with M contiguous (a transposed view), the
+    layout the library's block-scaled GEMM takes. On the GPU one Triton kernel reads x once;
+    on the CPU plain torch computes the same numbers."""
     m, k = x.shape
     assert k % group == 0, (k, group)
-    groups = x.float().view(m, k // group, group)
-    scale = (groups.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
-    codes = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes.view(m, k), scale
+    groups = k // group
+    if x.device.type != "cuda" and not interpreted():
+        values = x.float().view(m, groups, group)
+        scale = (values.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+        codes = (values / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return codes.view(m, k), (scale.t().contiguous().t() if rows_minor else scale)
+    assert x.stride(1) == 1 and kernel_group(group), (x.stride(), group)
+    codes = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = (
+        torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+        if rows_minor
+        else torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    )
+    if m and groups:
+        per_program = max(1, min(_QUANTIZE_VALUES // group, triton.next_power_of_2(groups)))
+        _quantize_groups_kernel[(m, triton.cdiv(groups, per_program))](
+            x, codes, scale, groups, x.stride(0), scale.stride(0), scale.stride(1),
+            GROUP=group, GROUPS=per_program, num_warps=4, **pdl_launch(x.device),
+        )  # fmt: skip
+    return codes, scale

@@ -166,11 +166,11 @@ class Fp8BlockLinear(Fp8Projection):
         rows = x.shape[0]
         if self._uses_library_gemm(x):
             assert self.library_scale is not None
-            codes, scales = quantize_groups(x, LIBRARY_BLOCK)
+            codes, scales = quantize_groups(x, LIBRARY_BLOCK, rows_minor=True)
             out = F.scaled_mm(
                 codes,
                 self.weight.t(),  # [K, N], column-major as the library wants it
-                scales.t().contiguous().t(),  # [M, K / 128] with M contiguous
+                scales,  # [M, K / 128] with M contiguous
                 F.ScalingType.BlockWise1x128,
                 self.library_scale.t(),  # [K / 128, N / 128] with K / 128 contiguous
                 F.ScalingType.BlockWise128x128,

@@ -99,6 +99,34 @@ def test_widen_blocks_rounds_once(device: torch.device, dtype: torch.dtype) -> N
         assert torch.allclose(out.float(), rounded.float(), rtol=ulp, atol=0)
 
 
+def _quantize_groups_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values = x.float().view(x.shape[0], -1, group)
+    scale = (values.abs().amax(dim=2) / 448).clamp(min=1e-12)
+    return (values / scale[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "group"), [(256, 128), (1280, 128), (96, 32)])
+def test_quantize_groups_kernel_matches_torch(
+    device: torch.device, dtype: torch.dtype, k: int, group: int
+) -> None:
+    """The kernel (the GPU's, or the interpreter's on the CPU) against torch's arithmetic, bit
+    for bit: codes, scales in either layout (1,280 columns: 10 groups, a program's groups past
+    the row's end), an all-zero group (the minimum scale), a row read through a stride."""
+    torch.manual_seed(k + group)
+    wide = torch.randn(7, k + 64, device=device) * torch.logspace(-3, 2, k + 64, device=device)
+    wide[2, 32 : 32 + group] = 0.0
+    x = wide[:, 32 : 32 + k].to(dtype)
+    want_codes, want_scale = _quantize_groups_torch(x, group)
+    for rows_minor in (False, True):
+        codes, scale = quantize_groups(x, group, rows_minor=rows_minor)
+        assert torch.equal(codes.view(torch.uint8).view(7, -1, group),
+                           want_codes.view(torch.uint8))  # fmt: skip
+        assert torch.equal(scale, want_scale) and scale.shape == (7, k // group)
+        assert scale.stride(0) == (1 if rows_minor else k // group)
+    assert float(want_scale[2, 0]) == float(torch.tensor(1e-12))  # the all-zero group
+
+
 def test_quantize_groups() -> None:
     torch.manual_seed(3)
     x = torch.randn(5, 256) * torch.logspace(-3, 2, 256)  # groups of very different sizes
