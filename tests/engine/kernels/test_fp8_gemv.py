@@ -368,39 +368,20 @@ def test_streamed_gemv_real_shapes_in_a_graph(
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_plain_preload_real_shapes_in_a_graph(
-    device: torch.device, gated: bool, n: int, k: int
+@pytest.mark.parametrize("form", ["preload", "two_steps"])
+def test_plain_forms_real_shapes_in_a_graph(
+    device: torch.device, gated: bool, n: int, k: int, form: str
 ) -> None:
-    """W2's shapes at the engine's one-row tiles with the first tile loaded before the wait,
-    three launches back to back in a captured graph (programmatic dependent launch: each
-    launch's first tiles are loaded while the one before runs): the plain kernel's numbers."""
+    """W2's shapes at the engine's one-row tiles with the first tile loaded before the wait
+    (each launch's first tiles loaded while the one before runs, under programmatic dependent
+    launch), or with two K steps a round (14 steps at down's 4 x 1,024 tile, 8 elsewhere):
+    three launches back to back in a captured graph give the plain kernel's numbers."""
     torch.manual_seed(n + k + gated)
     weight, scale = _weights(n, k, device)
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     base = fp8_gemv.default_config(1, n, device)
-    outs, expected = _replayed_in_a_graph(
-        x, weight, scale, dataclasses.replace(base, preload=1), base, gated
-    )
-    for out in outs:
-        assert torch.equal(out, expected)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_two_steps_a_round_real_shapes_in_a_graph(
-    device: torch.device, gated: bool, n: int, k: int
-) -> None:
-    """W2's shapes at the engine's one-row tiles with two K steps a round (14 steps at down's
-    4 x 1,024 tile, 8 elsewhere), three launches back to back in a captured graph: the plain
-    kernel's numbers."""
-    torch.manual_seed(n + k + gated + 1)
-    weight, scale = _weights(n, k, device)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    base = fp8_gemv.default_config(1, n, device)
-    outs, expected = _replayed_in_a_graph(
-        x, weight, scale, dataclasses.replace(base, unroll=2), base, gated
-    )
+    cfg = dataclasses.replace(base, **({"preload": 1} if form == "preload" else {"unroll": 2}))
+    outs, expected = _replayed_in_a_graph(x, weight, scale, cfg, base, gated)
     for out in outs:
         assert torch.equal(out, expected)
 
