@@ -117,6 +117,10 @@ PLAIN_PRELOAD = 0
 # products already run at 93-95% of a plain read of their size. A switch for the bench's
 # variants, for cards that stream faster with the same latency (more bytes must be in flight).
 PLAIN_UNROLL = 1
+# Whether `PLAIN_UNROLL` also applies where the default tile is the narrow 4 x 1,024 one (o and
+# down at Llama-3.1-8B's shapes). On an H100 (bench notes, run 34) two steps a round took qkv
+# and gate/up 3-6% faster alone and o and down 3-5% slower.
+UNROLL_NARROW = True
 # Registers a program may take at two K steps a round. Uncapped, ptxas (Triton 3.9, sm_90)
 # gives the kernel 69-71 and issues the second step's loads after the first step's
 # multiply-adds, so no more bytes are in flight than at one step; at 80 it issues both steps'
@@ -137,7 +141,7 @@ def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
         config = dataclasses.replace(config, stages=STREAM_STAGES, preload=STREAM_PRELOAD)
     elif PLAIN_PRELOAD:
         config = dataclasses.replace(config, preload=1)
-    if PLAIN_UNROLL > 1 and not STREAM_STAGES:
+    if PLAIN_UNROLL > 1 and not STREAM_STAGES and (UNROLL_NARROW or config == ONE_ROW_CONFIG):
         config = dataclasses.replace(config, unroll=PLAIN_UNROLL)
     return config
 

@@ -300,6 +300,11 @@ def test_unroll_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch)
     one_row = fp8_gemv.default_config(1, 4096, cpu)
     assert (one_row.unroll, one_row.label) == (2, "gemv_8x512w4sautou2")
     assert fp8_gemv.default_config(2, 4096, cpu) == fp8_gemv.FEW_ROWS_CONFIG
+    narrow = fp8_gemv.default_config(1, 64, cpu)  # too few rows for 8 x 512: 4 x 1,024
+    assert (narrow.block_n, narrow.unroll) == (4, 2)
+    monkeypatch.setattr(fp8_gemv, "UNROLL_NARROW", False)
+    assert fp8_gemv.default_config(1, 64, cpu).unroll == 1
+    assert fp8_gemv.default_config(1, 1 << 20, cpu).unroll == 2
     monkeypatch.setattr(fp8_gemv, "STREAM_STAGES", 3)  # streamed W takes no unroll
     assert fp8_gemv.default_config(1, 4096, cpu).unroll == 1
 

@@ -1052,6 +1052,16 @@ VARIANTS = {
     "fp8-both-unroll2": Variant(
         "fp8-both-unroll2", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 2),)
     ),
+    # the same at the 8 x 512 tile only (qkv and gate/up at W2's shapes; UNROLL_NARROW off)
+    "fp8-both-unroll2-wide": Variant(
+        "fp8-both-unroll2-wide",
+        "fp8",
+        "fp8",
+        (
+            ("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 2),
+            ("davit_engine.kernels.fp8_gemv", "UNROLL_NARROW", False),
+        ),
+    ),
 }
 
 
