@@ -1,10 +1,11 @@
 """The W2 bench variants worth a W2 run after a `gemm` run at one row: for each form of the
-one-row product that the engine can switch on (two K steps a round, W streamed through 3 or 4
-stages, with or without the first tile before the wait), its cost is the sum over W2's four
-shapes of the tile the engine picks there (8 x 512 at qkv and gate/up, 4 x 1,024 at o and
-down, on 132 multiprocessors); a form more than 2% under the engine's default prints its
-variants, one per line, fastest first. Streamed products are not in the norm chain's forms, so
-a streamed form prints with the norm kernels (and that reference first).
+one-row product that the engine can switch on (two K steps a round at both tiles, where the
+default takes it at 8 x 512 only; W streamed through 3 or 4 stages, with or without the first
+tile before the wait), its cost is the sum over W2's four shapes of the tile the engine picks
+there (8 x 512 at qkv and gate/up, 4 x 1,024 at o and down, on 132 multiprocessors); a form
+more than 2% under the engine's default prints its variants, comma-separated, fastest first.
+Streamed products are not in the norm chain's forms, so a streamed form prints with the norm
+kernels (and that reference first).
 
     python3 hack/device/best_gemv.py $OUT/fp8.jsonl
 """

@@ -4,7 +4,8 @@
 # one-row product tiles and forms at this card's bandwidth, the read ceiling, W1 again in the
 # best decode tile if the sweep found one more than 2% faster over W1's steps, W2 in the
 # one-row forms the sweep found more than 2% faster (best_gemv.py), the switches (two K steps
-# a round among them) and the native block-scale checks (block_native). On another card:
+# a round at no tile and at both, against the default's 8 x 512 only) and the native
+# block-scale checks (block_native). On another card:
 # $H100_CMD if set, else block_native.
 #   [H100_CMD='bench --sections w2-profile ...'] [GOALS_BUDGET_S=450] [GOALS_ROUNDS=3] \
 #   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head,bf16] bash hack/device/goals_call.sh  (under $OUT)
@@ -50,7 +51,7 @@ case "$GPU" in
     bench --sections w1 --rounds 2 --deadline-s 80 --w1-variants "bf16,fp8-kv,$best"
   fi
   # the one-row product forms that beat the engine's in the sweep, in W2 (two K steps a
-  # round is timed below in any case)
+  # round at both tiles is timed below in any case)
   gemv=$(python3 hack/device/best_gemv.py "$OUT/fp8.jsonl" | sed 's/fp8-both-unroll2,\?//; s/,$//')
   echo "one-row forms to time in W2: ${gemv:-none}"
   if [ -n "$gemv" ] && [ $SECONDS -lt $((budget - 90)) ]; then
@@ -59,7 +60,7 @@ case "$GPU" in
   if [ $SECONDS -lt $((budget - 90)) ]; then
     bench --sections w1,w2 --rounds 2 --deadline-s 80 \
       --w1-variants fp8-kv,fp8-kv-splits-fp8-1.9w,fp8-kv-splits-fp8-3w \
-      --w2-variants fp8-both,fp8-both-unroll2,fp8-both-rotary-one
+      --w2-variants fp8-both,fp8-both-unroll1,fp8-both-unroll2,fp8-both-rotary-one
   fi
   if [ $SECONDS -lt $((budget - 60)) ]; then block_native; fi
   ;;

@@ -111,37 +111,36 @@ STREAM_PRELOAD = 0
 # and rotary), though the one-row qkv product alone was 1.6% faster (11.12 us against 11.30).
 # A switch for the bench's variants.
 PLAIN_PRELOAD = 0
-# The one-row default's plain loads two K steps a round (`GemvConfig.unroll`): off. On an
-# H100 (bench notes, run 27) the products were level with it (qkv 11.26 us against 11.37,
-# gate/up 42.58 against 42.63) and W2 too (281.2 decode tok/s against 281.5): that card's
-# products already run at 93-95% of a plain read of their size. A switch for the bench's
-# variants, for cards that stream faster with the same latency (more bytes must be in flight).
-PLAIN_UNROLL = 1
-# Whether `PLAIN_UNROLL` also applies where the default tile is the narrow 4 x 1,024 one (o and
-# down at Llama-3.1-8B's shapes). On an H100 (bench notes, run 34) two steps a round took qkv
-# and gate/up 3-6% faster alone and o and down 3-5% slower.
-UNROLL_NARROW = True
-# Registers a program may take at two K steps a round. Uncapped, ptxas (Triton 3.9, sm_90)
-# gives the kernel 69-71 and issues the second step's loads after the first step's
+# The one-row default's plain loads two K steps a round (`GemvConfig.unroll`) where its tile is
+# 8 x 512 (`UNROLL_NARROW` off: not at the narrow 4 x 1,024 tile). On an H100 (bench notes,
+# run 34) W2 with FP8 weights and KV ran at 292.5 decode tok/s with it against 287.7 without
+# (+1.7%, medians of three, the same 256 tokens); alone, qkv took 10.66 us against 11.33 and
+# gate/up 41.30 against 42.52, while at the narrow tile o took 8.51 against 8.26 and down
+# 23.40 against 22.32, and W2 with both tiles unrolled ran at 281.0. (Run 27's form, uncapped,
+# had been level: ptxas issued its second step's loads after the first step's multiply-adds.)
+# 1 turns it off (bench variant `fp8-both-unroll1`).
+PLAIN_UNROLL = 2
+# Registers a program may take at two K steps a round. Uncapped, ptxas (sm_90, Triton 3.6 and
+# 3.9) gives the kernel about 70 and issues the second step's loads after the first step's
 # multiply-adds, so no more bytes are in flight than at one step; at 80 it issues both steps'
-# loads first (6 programs a multiprocessor: 48 KB of W in flight against 7-8 x 4 KB).
+# loads first (6 programs a multiprocessor: 48 KB of W in flight against 8 x 4 KB).
 UNROLL_MAX_REGISTERS = 80
+# Whether `PLAIN_UNROLL` also applies where the default tile is the narrow 4 x 1,024 one (o and
+# down at Llama-3.1-8B's shapes): off (above).
+UNROLL_NARROW = False
 
 
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
         return FEW_ROWS_CONFIG
     wanted = _PROGRAMS_PER_SM * multiprocessors(device)
-    config = (
-        ONE_ROW_CONFIG
-        if triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted
-        else ONE_ROW_NARROW_CONFIG
-    )
+    wide = triton.cdiv(n, ONE_ROW_CONFIG.block_n) >= wanted
+    config = ONE_ROW_CONFIG if wide else ONE_ROW_NARROW_CONFIG
     if STREAM_STAGES:
-        config = dataclasses.replace(config, stages=STREAM_STAGES, preload=STREAM_PRELOAD)
-    elif PLAIN_PRELOAD:
+        return dataclasses.replace(config, stages=STREAM_STAGES, preload=STREAM_PRELOAD)
+    if PLAIN_PRELOAD:
         config = dataclasses.replace(config, preload=1)
-    if PLAIN_UNROLL > 1 and not STREAM_STAGES and (UNROLL_NARROW or config == ONE_ROW_CONFIG):
+    if PLAIN_UNROLL > 1 and (wide or UNROLL_NARROW):
         config = dataclasses.replace(config, unroll=PLAIN_UNROLL)
     return config
 

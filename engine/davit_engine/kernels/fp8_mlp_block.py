@@ -51,6 +51,7 @@ known.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -323,9 +324,10 @@ class MlpBlockWeights:
 
 def tile_configs(w: MlpBlockWeights, device: torch.device) -> tuple[GemvConfig, ...]:
     """The o, gate/up and down phases' tiles: `fp8_gemv`'s one-row choices for these shapes
-    on `device`, so that each phase computes what the unfused product computes."""
+    on `device`, so that each phase computes what the unfused product computes (the block's
+    own `K_UNROLL` in place of the product's two steps a round: the same sums either way)."""
     return tuple(
-        default_config(1, weight.shape[0], device)
+        dataclasses.replace(default_config(1, weight.shape[0], device), unroll=1)
         for weight in (w.o_weight, w.gate_up_weight, w.down_weight)
     )
 

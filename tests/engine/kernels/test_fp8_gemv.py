@@ -84,7 +84,8 @@ def test_gemv_half_activations(device: torch.device, dtype: torch.dtype) -> None
 
 def test_default_config_narrows_at_few_columns() -> None:
     gpu = torch.device("cpu")  # the interpreter's stand-in: 4 multiprocessors, 16 programs
-    assert fp8_gemv.default_config(1, 128, gpu) == fp8_gemv.ONE_ROW_CONFIG
+    wide = dataclasses.replace(fp8_gemv.ONE_ROW_CONFIG, unroll=2)  # two K steps a round
+    assert fp8_gemv.default_config(1, 128, gpu) == wide
     assert fp8_gemv.default_config(1, 120, gpu) == fp8_gemv.ONE_ROW_NARROW_CONFIG
     assert fp8_gemv.default_config(3, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
 
@@ -295,18 +296,18 @@ def test_two_steps_a_round_equal_one(
 
 def test_unroll_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert fp8_gemv.default_config(1, 4096, cpu).unroll == 1  # off until timed
-    monkeypatch.setattr(fp8_gemv, "PLAIN_UNROLL", 2)
-    one_row = fp8_gemv.default_config(1, 4096, cpu)
-    assert (one_row.unroll, one_row.label) == (2, "gemv_8x512w4sautou2")
+    wide = fp8_gemv.default_config(1, 1 << 20, cpu)  # the 8 x 512 tile: two steps a round
+    assert (wide.block_n, wide.unroll, wide.label) == (8, 2, "gemv_8x512w4sautou2")
+    narrow = fp8_gemv.default_config(1, 64, cpu)  # too few rows for 8 x 512: 4 x 1,024, one
+    assert (narrow.block_n, narrow.unroll) == (4, 1)
     assert fp8_gemv.default_config(2, 4096, cpu) == fp8_gemv.FEW_ROWS_CONFIG
-    narrow = fp8_gemv.default_config(1, 64, cpu)  # too few rows for 8 x 512: 4 x 1,024
-    assert (narrow.block_n, narrow.unroll) == (4, 2)
-    monkeypatch.setattr(fp8_gemv, "UNROLL_NARROW", False)
-    assert fp8_gemv.default_config(1, 64, cpu).unroll == 1
-    assert fp8_gemv.default_config(1, 1 << 20, cpu).unroll == 2
+    monkeypatch.setattr(fp8_gemv, "UNROLL_NARROW", True)
+    assert fp8_gemv.default_config(1, 64, cpu).unroll == 2
+    monkeypatch.setattr(fp8_gemv, "PLAIN_UNROLL", 1)
+    assert fp8_gemv.default_config(1, 1 << 20, cpu).unroll == 1
+    monkeypatch.setattr(fp8_gemv, "PLAIN_UNROLL", 2)
     monkeypatch.setattr(fp8_gemv, "STREAM_STAGES", 3)  # streamed W takes no unroll
-    assert fp8_gemv.default_config(1, 4096, cpu).unroll == 1
+    assert fp8_gemv.default_config(1, 1 << 20, cpu).unroll == 1
 
 
 def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,7 +323,7 @@ def test_stream_switch_sets_the_one_row_default(monkeypatch: pytest.MonkeyPatch)
     assert fp8_gemv.default_config(1, 4096, gpu).preload == 0
     monkeypatch.setattr(fp8_gemv, "PLAIN_PRELOAD", 1)
     one_row = fp8_gemv.default_config(1, 4096, gpu)
-    assert (one_row.stages, one_row.preload, one_row.label) == (0, 1, "gemv_8x512w4sautop")
+    assert (one_row.stages, one_row.preload, one_row.label) == (0, 1, "gemv_8x512w4sautopu2")
     assert fp8_gemv.default_config(2, 4096, gpu) == fp8_gemv.FEW_ROWS_CONFIG
 
 

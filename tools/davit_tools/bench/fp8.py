@@ -1047,20 +1047,17 @@ VARIANTS = {
     "fp8-both-preload": Variant(
         "fp8-both-preload", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_PRELOAD", 1),)
     ),
-    # the plain one-row products (the norm chain's included) with two K steps' loads a round
-    # (fp8_gemv.PLAIN_UNROLL)
+    # the one-row products (the norm chain's included) with two K steps' loads a round at
+    # both tiles (fp8_gemv.UNROLL_NARROW on), or at none (PLAIN_UNROLL 1, as before run 34);
+    # the default: at the 8 x 512 tile only
     "fp8-both-unroll2": Variant(
-        "fp8-both-unroll2", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 2),)
+        "fp8-both-unroll2",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.fp8_gemv", "UNROLL_NARROW", True),),
     ),
-    # the same at the 8 x 512 tile only (qkv and gate/up at W2's shapes; UNROLL_NARROW off)
-    "fp8-both-unroll2-wide": Variant(
-        "fp8-both-unroll2-wide",
-        "fp8",
-        "fp8",
-        (
-            ("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 2),
-            ("davit_engine.kernels.fp8_gemv", "UNROLL_NARROW", False),
-        ),
+    "fp8-both-unroll1": Variant(
+        "fp8-both-unroll1", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 1),)
     ),
 }
 
