@@ -242,7 +242,10 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 x = tl.load(x_row + (k_begin + ks)[None, :])
                 acc2 += w_first.to(tl.float32) * x.to(tl.float32)
             k_loop += BLOCK_K
-        if UNROLL == 2 and EVEN_K:  # pairs of steps, then the odd step left, if any
+        # UNROLL 2: pairs of steps, then the odd step left, if any, in a block of its own (run
+        # through the one-step loop below instead, ptxas at 80 registers issued only 6 of a
+        # pair's 8 loads before its first multiply-add)
+        if UNROLL == 2 and EVEN_K:
             for k0 in range(k_loop, k_end - BLOCK_K, 2 * BLOCK_K):
                 kk = k0 + ks
                 w = tl.load(w_rows + kk[None, :])

@@ -1042,23 +1042,18 @@ VARIANTS = {
     # decodes split in many short ranges (W2's) at 8 warps a program instead of 4
     # (paged_attention.SHORT_SPLIT_NUM_WARPS)
     **_attention_variants("split-8w", "SHORT_SPLIT_NUM_WARPS", 8),
-    # the plain one-row products with their first tile of W loaded before the wait for the
-    # kernel before (fp8_gemv.PLAIN_PRELOAD)
-    "fp8-both-preload": Variant(
-        "fp8-both-preload", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_PRELOAD", 1),)
-    ),
-    # the one-row products (the norm chain's included) with two K steps' loads a round at
-    # both tiles (fp8_gemv.UNROLL_NARROW on), or at none (PLAIN_UNROLL 1, as before run 34);
-    # the default: at the 8 x 512 tile only
-    "fp8-both-unroll2": Variant(
-        "fp8-both-unroll2",
-        "fp8",
-        "fp8",
-        (("davit_engine.kernels.fp8_gemv", "UNROLL_NARROW", True),),
-    ),
-    "fp8-both-unroll1": Variant(
-        "fp8-both-unroll1", "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", "PLAIN_UNROLL", 1),)
-    ),
+    # the one-row products' switches (fp8_gemv): the plain products' first tile of W loaded
+    # before the wait for the kernel before (PLAIN_PRELOAD); two K steps' loads a round (the
+    # norm chain's products included) at both tiles (UNROLL_NARROW on), or at none
+    # (PLAIN_UNROLL 1, as before run 34), where the default takes it at the 8 x 512 tile only
+    **{
+        name: Variant(name, "fp8", "fp8", (("davit_engine.kernels.fp8_gemv", attribute, value),))
+        for name, attribute, value in (
+            ("fp8-both-preload", "PLAIN_PRELOAD", 1),
+            ("fp8-both-unroll2", "UNROLL_NARROW", True),
+            ("fp8-both-unroll1", "PLAIN_UNROLL", 1),
+        )
+    },
 }
 
 
