@@ -15,6 +15,9 @@ tests' text, the error bounds one could compute and how often each would need th
 - `code-16`: s_j sum |h_k| (|q_jk| / 16 + 2^-10) (the same with one more multiply-add).
 
     .venv/bin/python hack/fp8_lm_head_bounds.py [TOKENS]
+
+The model is the tests' safetensors copy of SmolLM2-135M-Instruct (`tests/e2e/model_store`:
+converted from the reference GGUF on first use, about a minute, and cached).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from davit_engine.quant.fp8_linear import quantize_channels
 
-MODEL = Path.home() / ".cache/davit/models/smollm2-135m-instruct-safetensors-v1"
-TEXT = Path(__file__).resolve().parent.parent / "tests/data/text/tom-sawyer-chapter-1.txt"
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "tests/data/text/tom-sawyer-chapter-1.txt"
 
 
 def half_ulp(codes: torch.Tensor) -> torch.Tensor:
@@ -38,16 +41,21 @@ def half_ulp(codes: torch.Tensor) -> torch.Tensor:
 
 
 def main(tokens: int) -> None:
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16)
+    sys.path.insert(0, str(ROOT))  # the tests' model store
+    from tests.e2e.model_store import smollm2_safetensors
+
+    path = smollm2_safetensors()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     ids = tok(TEXT.read_text(), return_tensors="pt").input_ids[:, :tokens]
     with torch.no_grad():
         h = model.model(ids).last_hidden_state[0].float()  # [T, K]
     weight = model.lm_head.weight.detach().float()  # [N, K], bf16 values
     codes, scale = quantize_channels(weight)
-    residual = weight - codes.float() * scale[:, None]
+    dequantized = codes.float() * scale[:, None]
+    residual = weight - dequantized
     exact = h @ weight.T
-    fp8 = h @ (codes.float() * scale[:, None]).T
+    fp8 = h @ dequantized.T
     error = (fp8 - exact).abs()
     k = weight.shape[1]
     bounds = {"cs-row": h.norm(dim=1)[:, None] * residual.norm(dim=1)[None, :]}
