@@ -60,7 +60,8 @@ class ProfileIdentity:
     # defaults, which is what those engines ran.
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
-    # Added within schema version 1: "fp8" for an FP8 LM head (--lm-head-quantization).
+    # Added within schema version 1: the --lm-head-quantization value the engine loaded with,
+    # "fp8" (an FP8 LM head) or "int8" (an int8 LM head); "none": the model dtype's.
     lm_head_quantization: str = "none"
     # Added within schema version 1: "native" where a block-wise FP8 checkpoint is served with
     # its own scales (--fp8-block-scales native: a scale per row and group, more weight bytes).

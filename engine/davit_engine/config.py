@@ -16,9 +16,12 @@ KvCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 Quantization = Literal["fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
-# --lm-head-quantization (no upstream flag): the LM head's weight in FP8 too. Lossy beyond the
-# projections' FP8; never on unless asked.
-LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# --lm-head-quantization (no upstream flag): the LM head's weight in one byte too, FP8 (e4m3,
+# needs FP8 hardware) or int8 (any device; about four times FP8's precision at the same
+# bytes), one scale per row either way. Lossy beyond the projections' FP8; never on unless
+# asked.
+LmHeadQuantization = Literal["fp8", "int8"]
+LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8")
 # --fp8-block-scales (no upstream flag): how block-wise FP8 checkpoints are served. "channel"
 # re-quantizes them to one scale per output channel at load (the tuned per-channel products;
 # one more e4m3 rounding of some values), "native" multiplies with the checkpoint's own block
@@ -45,8 +48,8 @@ class EngineConfig:
     # FP8 projection weights (None: as the checkpoint stores them) and KV-cache element type.
     quantization: Quantization | None = None
     kv_cache_dtype: KvCacheDType = "auto"
-    # The LM head's weight in FP8 (per-row scales; the embedding keeps the model dtype).
-    lm_head_quantization: Quantization | None = None
+    # The LM head's weight in FP8 or int8 (per-row scales; the embedding keeps the model dtype).
+    lm_head_quantization: LmHeadQuantization | None = None
     # Block-wise FP8 checkpoints: "channel" (re-quantized at load) or "native" (their scales).
     fp8_block_scales: str = "channel"
     device: str = "auto"  # auto | cpu | cuda

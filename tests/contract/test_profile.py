@@ -99,6 +99,25 @@ def test_fp8_identities_hash_apart_and_round_trip() -> None:
         assert again.identity == identity and again.identity.hash() == identity.hash()
 
 
+def test_lm_head_values_hash_apart_and_round_trip() -> None:
+    """The engine writes the --lm-head-quantization value it loaded with: "fp8" and "int8"
+    identities differ from each other and from the model dtype's head ("none", left out of the
+    hash), and both survive the JSON round trip."""
+    profile = MemoryProfile.from_json(json.dumps(_sample()))
+    assert profile.identity.lm_head_quantization == "none"
+    heads = {
+        value: dataclasses.replace(profile.identity, lm_head_quantization=value)
+        for value in ("none", "fp8", "int8")
+    }
+    assert heads["none"].hash() == profile.identity.hash()
+    assert len({identity.hash() for identity in heads.values()}) == 3
+    for value in ("fp8", "int8"):
+        document = dataclasses.replace(profile, identity=heads[value]).to_dict()
+        assert document["identity"]["lm_head_quantization"] == value
+        again = MemoryProfile.from_dict(json.loads(json.dumps(document)))
+        assert again.identity == heads[value] and again.identity.hash() == heads[value].hash()
+
+
 @pytest.mark.parametrize(
     ("mutate", "error"),
     [

@@ -249,6 +249,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("runner", {"engine": {"runner": "v3"}}, 'Unsupported value: "v3"'),
     ("variant", {"engine": {"variant": "cuda11.8"}}, 'Unsupported value: "cuda11.8"'),
     ("vendor", {"accelerator": {"vendor": "qualcomm"}}, 'Unsupported value: "qualcomm"'),
+    (
+        "lm head quantization",
+        {"engine": {"lmHeadQuantization": "int4"}},
+        'spec.engine.lmHeadQuantization: Unsupported value: "int4"',
+    ),
     ("version format", {"engine": {"version": "latest"}}, "spec.engine.version"),
     ("model scheme", {"model": {"source": "gs://bucket/model"}}, "spec.model.source"),
     ("hf revision", {"model": {"revision": None}}, "model.revision is required for hf://"),

@@ -1,5 +1,7 @@
 """FP8-weight products at a few rows (decode): `y = (x @ W_fp8^T) * w_scale (+ bias)` as a
-matrix-vector product that streams W once at memory bandwidth.
+matrix-vector product that streams W once at memory bandwidth. W may also hold int8 codes with
+the same per-row scales (an int8 LM head), widened exactly by packed integer and fp16
+instructions (`widen`).
 
 At one to a few activation rows the product reads every weight once and does two operations
 per weight byte, so its floor is W's bytes over memory bandwidth. A matrix-unit tile would be
@@ -130,6 +132,25 @@ UNROLL_MAX_REGISTERS = 80
 UNROLL_NARROW = False
 
 
+# W's code types: e4m3 (the projections, and an FP8 LM head) and int8 (an int8 LM head:
+# `--lm-head-quantization int8`, one float32 scale per row as FP8's).
+WEIGHT_DTYPES = (FP8_DTYPE, torch.int8)
+# int8 W widened on a GPU with `_INT8_TO_F16` (packed integer and half-precision instructions)
+# rather than the compiler's per-element conversion. A switch for the bench's variants.
+INT8_WIDEN_PRMT = True
+
+
+def int8_prmt(weight: torch.Tensor) -> bool:
+    """Whether the product widens `weight`'s codes with `_INT8_TO_F16`: int8 codes on a GPU
+    (the interpreter runs no inline assembly), where `INT8_WIDEN_PRMT` is on."""
+    return (
+        INT8_WIDEN_PRMT
+        and weight.dtype == torch.int8
+        and weight.device.type == "cuda"
+        and not interpreted()
+    )
+
+
 def default_config(num_rows: int, n: int, device: torch.device) -> GemvConfig:
     if num_rows > 1:
         return FEW_ROWS_CONFIG
@@ -151,6 +172,8 @@ def can_stream(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> boo
     or Triton's interpreter, which runs the same kernel on the CPU)."""
     if TensorDescriptor is None or config.stages < 2 or x.shape[0] != 1:
         return False
+    if weight.dtype != FP8_DTYPE:
+        return False
     if weight.shape[1] % 16 or weight.data_ptr() % 16:
         return False
     if x.device.type == "cuda":
@@ -168,6 +191,41 @@ def default_split_k(n: int, k: int, config: GemvConfig, device: torch.device) ->
     while programs * split < wanted and steps // (split * 2) >= 2:
         split *= 2
     return split
+
+
+# int8 codes to fp16, four a 32-bit register (`widen`): each byte's sign bit flipped gives
+# `code + 128` unsigned; placed under the high byte 0x64 it is the fp16 `1024 + code + 128`
+# (fp16 has unit spacing on [1024, 2048)), and one packed subtraction of 1152 leaves the
+# code, exact. Five instructions for four weights on the integer and half-precision pipes,
+# where the compiler's per-element integer-to-float conversion runs at a quarter of the
+# float32 rate.
+_INT8_TO_F16 = tl.constexpr(
+    """
+{
+.reg .b32 t, hi, bias;
+xor.b32 t, $2, 0x80808080;
+mov.b32 hi, 0x64646464;
+prmt.b32 $0, t, hi, 0x5150;
+prmt.b32 $1, t, hi, 0x5352;
+mov.b32 bias, 0x64806480;
+sub.f16x2 $0, $0, bias;
+sub.f16x2 $1, $1, bias;
+}
+"""
+)
+
+
+@triton.jit
+def widen(w, INT8_PRMT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A tile of W's codes as float32: e4m3 through the hardware conversion, int8 (an int8 LM
+    head) with `_INT8_TO_F16` where `INT8_PRMT` (a GPU), else the plain conversion."""
+    if INT8_PRMT:
+        half = tl.inline_asm_elementwise(
+            _INT8_TO_F16, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4
+        )
+        return half.to(tl.float32)
+    else:
+        return w.to(tl.float32)
 
 
 @triton.jit
@@ -202,6 +260,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     NORMED: tl.constexpr = False,
     SQUARES_PAD: tl.constexpr = 1,
     UNROLL: tl.constexpr = 1,  # one row, EVEN_K: 2 = two steps' loads a round
+    INT8_PRMT: tl.constexpr = False,  # int8 W widened with `_INT8_TO_F16` (a GPU)
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -240,7 +299,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
         if PRELOAD:
             if k_begin < k_end:
                 x = tl.load(x_row + (k_begin + ks)[None, :])
-                acc2 += w_first.to(tl.float32) * x.to(tl.float32)
+                acc2 += widen(w_first, INT8_PRMT) * x.to(tl.float32)
             k_loop += BLOCK_K
         # UNROLL 2: pairs of steps, then the odd step left, if any, in a block of its own (run
         # through the one-step loop below instead, ptxas at 80 registers issued only 6 of a
@@ -252,14 +311,14 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 w_next = tl.load(w_rows + (kk + BLOCK_K)[None, :])
                 x = tl.load(x_row + kk[None, :])
                 x_next = tl.load(x_row + (kk + BLOCK_K)[None, :])
-                acc2 += w.to(tl.float32) * x.to(tl.float32)
-                acc2 += w_next.to(tl.float32) * x_next.to(tl.float32)
+                acc2 += widen(w, INT8_PRMT) * x.to(tl.float32)
+                acc2 += widen(w_next, INT8_PRMT) * x_next.to(tl.float32)
             steps = (k_end - k_loop) // BLOCK_K
             if steps > 0 and steps % 2 == 1:
                 kk = k_end - BLOCK_K + ks
                 w = tl.load(w_rows + kk[None, :])
                 x = tl.load(x_row + kk[None, :])
-                acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += widen(w, INT8_PRMT) * x.to(tl.float32)
         else:
             for k0 in range(k_loop, k_end, BLOCK_K):
                 kk = k0 + ks
@@ -269,7 +328,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 else:
                     w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
                     x = tl.load(x_row + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
-                acc2 += w.to(tl.float32) * x.to(tl.float32)
+                acc2 += widen(w, INT8_PRMT) * x.to(tl.float32)
         total = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
         if NORMED:  # x is s * norm weight: the RMSNorm's 1/rms of s applies to the sums
             total = total * inverse_rms(squares_ptr, num_squares, K, eps, SQUARES_PAD)
@@ -283,7 +342,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]
             else:
                 w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < k_end, other=0.0)
                 x = tl.load(x_rows + kk[None, None, :], mask=kk[None, None, :] < k_end, other=0.0)
-            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+            acc += widen(w, INT8_PRMT)[None, :, :] * x.to(tl.float32)
         total = tl.sum(acc, 2)  # [ROWS, BLOCK_N]
     if ADD_NORM:  # one row, one split, no bias, not gated (fp8_gemv_add_norm)
         _store_add_norm(total, cols, w_row, pid_n, N, scale_ptr, out_ptr, res_ptr, norm_w_ptr,
@@ -493,7 +552,7 @@ def fp8_gemv(
     bytes per step as the plain product."""
     num_rows, k = x.shape
     n_w = weight.shape[0]
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert weight.dtype in WEIGHT_DTYPES and weight.is_contiguous() and weight.shape[1] == k
     assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
     if gated and n_w % 2:
         raise ValueError(f"gated: the weight's rows are [gate | up], an even count (got {n_w})")
@@ -534,6 +593,7 @@ def fp8_gemv(
             HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=k % cfg.block_k == 0, GATED=gated,
             PRELOAD=bool(cfg.preload) and rows_per_program == 1 and k % cfg.block_k == 0,
+            INT8_PRMT=int8_prmt(weight),
             **(_unroll(cfg) if rows_per_program == 1 else {}),
             num_warps=cfg.num_warps, num_stages=1, **launch,
         )  # fmt: skip

@@ -126,7 +126,9 @@ def fp8_weight_matmul(
         return fp8_gemv.fp8_gemv(x, weight, weight_scale, bias, config)
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight.shape[1] == k
+    assert (
+        weight.dtype in fp8_gemv.WEIGHT_DTYPES and weight.is_contiguous() and weight.shape[1] == k
+    )
     assert x.stride(1) == 1 and weight_scale.dtype == torch.float32
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -234,7 +236,7 @@ def widen_fp8(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 tensor widened exactly to `dtype` (bf16, fp16 or fp32 hold every e4m3 value):
     `weight.to(dtype)`'s values. On the GPU a Triton kernel does it: torch's own conversion
     of FP8 ran at about a third of the copy bandwidth (bench notes, run 25)."""
-    assert weight.dtype == FP8_DTYPE and weight.is_contiguous()
+    assert weight.dtype in fp8_gemv.WEIGHT_DTYPES and weight.is_contiguous()
     if weight.device.type != "cuda" and not interpreted():
         return weight.to(dtype)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
@@ -256,7 +258,7 @@ def dequantized_matmul(
     dtype (`widen_fp8`: a transient copy, twice the FP8 bytes): the GEMM's float32 sums rounded
     to x's dtype, scaled per channel in float32 and rounded again, then the bias added (rounded
     again)."""
-    assert weight.dtype == FP8_DTYPE and weight_scale.dtype == torch.float32
+    assert weight.dtype in fp8_gemv.WEIGHT_DTYPES and weight_scale.dtype == torch.float32
     out = torch.nn.functional.linear(x, widen_fp8(weight, x.dtype))
     out.mul_(weight_scale)
     if bias is not None:

@@ -69,7 +69,8 @@ class LoadedModel:
     dtype: torch.dtype  # of the activations (and of every weight that is not FP8)
     source: str  # "gguf", "safetensors" or "random"
     quantization: str = "none"  # "fp8": the decoder projections hold FP8 weights
-    lm_head_quantization: str = "none"  # "fp8": so does the LM head (--lm-head-quantization)
+    # "fp8" or "int8": the LM head's weight in one byte (--lm-head-quantization)
+    lm_head_quantization: str = "none"
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3)
     kv_scale_source: str = "none"  # FP8 KV scales: "calibrated", or "none" without FP8 KV
     # "native": block-wise FP8 weights served with their own scales (--fp8-block-scales)
@@ -261,12 +262,13 @@ def load_model(
         elif quantization == "fp8" and not prequantized:
             count = quantize_projections(model)
             logger.info("quantized %d projections to fp8 (per-channel scales)", count)
-        if lm_head_quantization == "fp8":
-            quantize_lm_head(model)
+        if lm_head_quantization != "none":
+            quantize_lm_head(model, lm_head_quantization)
             logger.warning(
-                "--lm-head-quantization fp8: the LM head's weight is FP8 (per-row scales); "
-                "logits are rounded beyond the model dtype's"
-            )
+                "--lm-head-quantization %s: the LM head's weight is %s (per-row scales); "
+                "logits are rounded beyond the model dtype's",
+                lm_head_quantization, lm_head_quantization.upper(),
+            )  # fmt: skip
     if model_config.declares_fp8_kv and not fp8_kv:
         logger.info(
             "%s declares an FP8 KV cache; the cache stays in %s (it is lossy: "
@@ -287,7 +289,7 @@ def load_model(
         dtype,
         device,
         "fp8" if quantization == "fp8" else "model dtype",
-        "fp8" if lm_head_quantization == "fp8" else "model dtype",
+        lm_head_quantization if lm_head_quantization != "none" else "model dtype",
     )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the unquantized weights and the calibration's blocks

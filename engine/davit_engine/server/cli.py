@@ -151,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-head-quantization",
         default=None,
         choices=list(LM_HEAD_QUANTIZATIONS),
-        help="fp8: the LM head's weight in FP8 too (per-row scales). Lossy beyond "
-        "--quantization fp8, which keeps the LM head in the model dtype: faster decode at small "
-        "batch, logits rounded differently",
+        help="the LM head's weight in one byte, one scale per row: fp8 (e4m3; FP8 hardware) or "
+        "int8 (any device, about four times fp8's precision). Lossy beyond --quantization fp8, "
+        "which keeps the LM head in the model dtype: faster decode at small batch, logits "
+        "rounded differently",
     )
     engine.add_argument(
         "--fp8-block-scales",

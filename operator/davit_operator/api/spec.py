@@ -25,6 +25,9 @@ Vendor = Literal["nvidia", "amd", "intel", "cpu"]
 ImagePolicy = Literal["Strict", "Permissive"]
 # FP8 (e4m3): upstream's flag values, which both engine types take.
 Quantization = Literal["fp8"]
+# --lm-head-quantization (a Davit engine flag): fp8 (e4m3, needs FP8) or int8 (any accelerator);
+# both per-row float32 scales, one byte per weight.
+LmHeadQuantization = Literal["fp8", "int8"]
 KvCacheDType = Literal["auto", "fp8"]
 SpeculativeMethod = Literal[
     "ngram", "eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator"
@@ -336,14 +339,16 @@ class EngineSpec(CrdModel):
             "implements it; unset: the checkpoint's own format."
         ),
     )
-    lm_head_quantization: Quantization | None = Field(
+    lm_head_quantization: LmHeadQuantization | None = Field(
         default=None,
         description=(
-            "The LM head's weight in FP8 (e4m3, per-row scales), passed as "
-            "--lm-head-quantization fp8: lossy beyond engine.quantization (which keeps the LM "
-            "head in the model dtype); faster decode at small batch. A Davit engine flag (no "
-            "upstream equivalent): releases implement it only where the catalog says so; needs "
-            "an accelerator the catalog records with FP8."
+            "The LM head's weight at one byte per weight with a float32 scale per row "
+            "(vocabulary entry), passed as --lm-head-quantization VALUE. fp8: e4m3; needs an "
+            "accelerator the catalog records with FP8. int8: weight-only, scale = row absmax / "
+            "127; about four times more accurate than fp8 at the same bytes; any accelerator. "
+            "Both are lossy beyond engine.quantization (which keeps the LM head in the model "
+            "dtype). A Davit engine flag (no upstream equivalent): releases implement it only "
+            "where the catalog says so; unset: the LM head in the model dtype."
         ),
     )
     kv_cache_dtype: KvCacheDType = Field(

@@ -16,7 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from davit_operator.api.spec import Quantization, SpeculativeMethod
+from davit_operator.api.spec import LmHeadQuantization, Quantization, SpeculativeMethod
 from davit_operator.catalog.base import (
     VARIANTS,
     CatalogModel,
@@ -132,9 +132,9 @@ class Capabilities(CatalogModel):
     # record, nothing refused).
     quantization: list[Quantization] | None = None
     kv_cache_dtypes: list[Literal["fp8"]] | None = None
-    # engine.lmHeadQuantization values: the Davit engine's own flag, so a release implements it
-    # only where listed (empty: refused).
-    lm_head_quantization: list[Quantization] = Field(default_factory=list)
+    # engine.lmHeadQuantization values (fp8, int8): the Davit engine's own flag, so a release
+    # implements a value only where it lists it (empty: every value refused).
+    lm_head_quantization: list[LmHeadQuantization] = Field(default_factory=list)
 
 
 class SequenceParallelismArgs(CatalogModel):

@@ -53,7 +53,7 @@ Condition = Literal[
     "speculativeMethod",  # features.speculative.method in `methods`
     "lora",  # --enable-lora in engine.extraArgs (the API has no LoRA field)
     "kvCacheOffloading",  # features.kvCacheOffloading set
-    "fp8",  # engine.quantization, engine.lmHeadQuantization or engine.kvCacheDtype fp8
+    "fp8",  # engine.quantization, engine.lmHeadQuantization or engine.kvCacheDtype fp8 (not int8)
     "model",  # the model's architecture: unknown to the operator, never true
 ]
 

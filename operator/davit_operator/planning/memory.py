@@ -44,6 +44,11 @@ ACCELERATOR_DTYPE_BYTES = 2  # bf16 on accelerators
 FP8_BYTES = 1
 # Per-output-channel float32 scale of each FP8 projection.
 FP8_SCALE_BYTES = 4
+# engine.lmHeadQuantization values that store the LM head at one byte per weight with a float32
+# scale per row (vocabulary entry): fp8 (e4m3) and int8.
+ONE_BYTE_LM_HEADS: frozenset[str] = frozenset({"fp8", "int8"})
+LM_HEAD_WEIGHT_BYTES = 1
+LM_HEAD_ROW_SCALE_BYTES = 4
 # Estimate of what the shape does not say: CUDA context and library workspaces (0.77 GiB
 # measured on an H200 with torch 2.11).
 NON_TORCH_ESTIMATE_BYTES = 1 << 30
@@ -287,12 +292,14 @@ def effective_limits(spec: InferenceServiceSpec, shape: ModelShape) -> Limits:
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element the engine stores: decoder projection weights and the KV cache
-    (embeddings, LM head, norms and activations stay in the accelerator dtype)."""
+    """Bytes per element the engine stores: decoder projection weights, the KV cache and
+    whether the LM head is one byte per weight (embeddings, norms and activations stay in the
+    accelerator dtype, and so does the LM head unless `one_byte_lm_head`)."""
 
     projection_bytes: int = ACCELERATOR_DTYPE_BYTES
     kv_bytes: int = ACCELERATOR_DTYPE_BYTES
-    fp8_lm_head: bool = False
+    # engine.lmHeadQuantization fp8 or int8: a byte per head weight and a scale per row.
+    one_byte_lm_head: bool = False
     # A block-wise FP8 checkpoint served with its own scales (engine.extraArgs
     # `--fp8-block-scales native`): one scale per output row and this many input columns.
     block_scale_columns: int | None = None
@@ -301,15 +308,15 @@ class Precision:
     def of(cls, spec: InferenceServiceSpec, shape: ModelShape | None = None) -> Precision:
         """engine.quantization fp8, or a checkpoint whose shape says its projections are FP8
         (`fp8_projections`, from its config.json): one byte per projection weight;
-        engine.kvCacheDtype fp8: one byte per KV element; engine.lmHeadQuantization fp8: an LM
-        head of one byte per weight."""
+        engine.kvCacheDtype fp8: one byte per KV element; engine.lmHeadQuantization fp8 or int8:
+        an LM head of one byte per weight."""
         fp8 = spec.engine.quantization == "fp8" or (shape is not None and shape.fp8_projections)
         native = _extra_arg(spec, BLOCK_SCALES_FLAG) == "native"
         columns = shape.fp8_block_columns if shape is not None and native else None
         return cls(
             projection_bytes=FP8_BYTES if fp8 else ACCELERATOR_DTYPE_BYTES,
             kv_bytes=FP8_BYTES if spec.engine.kv_cache_dtype == "fp8" else ACCELERATOR_DTYPE_BYTES,
-            fp8_lm_head=spec.engine.lm_head_quantization == "fp8",
+            one_byte_lm_head=spec.engine.lm_head_quantization in ONE_BYTE_LM_HEADS,
             block_scale_columns=columns if spec.engine.type == "davit" else None,
         )
 
@@ -337,8 +344,9 @@ def _extra_arg(spec: InferenceServiceSpec, flag: str) -> str | None:
 
 def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> int:
     """Bytes of the model's weights: projections at `precision` (with FP8's channel scales),
-    everything else at `dtype_bytes`. An FP8 LM head holds one byte per weight and a scale per
-    row; tied to the embedding, it is a copy beside the embedding (which keeps `dtype_bytes`)."""
+    everything else at `dtype_bytes`. A one-byte LM head (fp8 or int8) holds one byte per weight
+    and a float32 scale per row; tied to the embedding, it is a copy beside the embedding (which
+    keeps `dtype_bytes`)."""
     projections = shape.projection_parameters
     total = (
         shape.num_parameters - projections
@@ -347,11 +355,11 @@ def weight_bytes(shape: ModelShape, dtype_bytes: int, precision: Precision) -> i
         total += shape.projection_scale_groups(precision.block_scale_columns) * FP8_SCALE_BYTES
     elif precision.projection_bytes == FP8_BYTES:
         total += shape.projection_channels * FP8_SCALE_BYTES
-    if precision.fp8_lm_head:
+    if precision.one_byte_lm_head:
         head = shape.vocab_size * shape.hidden_size
         if not shape.tie_word_embeddings:
             total -= head * dtype_bytes
-        total += head * FP8_BYTES + shape.vocab_size * FP8_SCALE_BYTES
+        total += head * LM_HEAD_WEIGHT_BYTES + shape.vocab_size * LM_HEAD_ROW_SCALE_BYTES
     return total
 
 
@@ -404,7 +412,7 @@ def estimate_memory(
     and a non-torch allowance per rank; what is left is KV cache. A speculative draft model
     adds its weights, its graphs and its share of every KV block (its cache follows the
     model's block tables). `precision` sets the bytes of the projections and of the KV cache
-    (FP8: one byte each)."""
+    (FP8: one byte each) and of the LM head."""
     tp = tensor_parallel
     kv_heads = -(-shape.num_kv_heads // tp)
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * precision.kv_bytes

@@ -1,5 +1,6 @@
 """FP8 on the accelerator: refuse `engine.quantization: fp8`, `engine.kvCacheDtype: fp8` and
 `engine.lmHeadQuantization: fp8` where the catalog marks the accelerator as lacking FP8 (e4m3) support.
+`engine.lmHeadQuantization: int8` is no FP8 field: an int8 head runs on any accelerator.
 
 Planning, not CEL: the facts live in the versioned catalog (`accelerators.yaml`) that the
 operator loads at startup, while the CRD's rules are generated from the API types; a copy of
@@ -24,7 +25,7 @@ REASON = "UnsupportedByAccelerator"
 
 
 def fp8_fields(spec: InferenceServiceSpec) -> list[str]:
-    """The spec fields that ask for FP8, in spec order."""
+    """The spec fields that ask for FP8, in spec order (an int8 LM head is not one)."""
     fields = []
     if spec.engine.quantization == "fp8":
         fields.append("engine.quantization")

@@ -86,6 +86,7 @@ def _condition(
         field = "features.kvCacheOffloading"
         return spec.features.kv_cache_offloading is not None, field, True, field
     if condition == "fp8":
+        # FP8 (e4m3) fields only: an int8 LM head (engine.lmHeadQuantization int8) is not FP8.
         engine = spec.engine
         if engine.quantization == "fp8":
             return True, "engine.quantization", "fp8", "engine.quantization fp8"

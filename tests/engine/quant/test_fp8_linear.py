@@ -17,9 +17,12 @@ from davit_engine.kernels.layer_ops import silu_mul
 from davit_engine.loader import load_model
 from davit_engine.models.llama import LlamaDecoderLayer
 from davit_engine.quant.fp8_linear import (
+    LM_HEAD_MODULES,
     UNQUANTIZED_INPUTS,
     Fp8Linear,
+    Int8Linear,
     install_fp8_projections,
+    quantize_lm_head,
     quantize_projections,
 )
 from tests.engine.kernels.fp8_cases import rel_err as _rel_err
@@ -119,19 +122,25 @@ def test_load_with_quantization_flag_reports_fp8() -> None:
     assert isinstance(layer.mlp.gate_up_proj, Fp8Linear)
 
 
+@pytest.mark.parametrize(
+    ("kind", "codes", "within"), [("fp8", torch.float8_e4m3fn, 0.05), ("int8", torch.int8, 0.01)]
+)
 @pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen2-tiny"])  # untied, tied
-def test_lm_head_quantization_flag(shape: str) -> None:
-    """--lm-head-quantization fp8: the head becomes a per-row FP8 `Fp8Linear` (a tied head an
-    FP8 copy of its own; the embedding keeps the model dtype and its values); the logits stay
-    close to the unquantized head's; without the flag the head is untouched."""
+def test_lm_head_quantization_flag(
+    shape: str, kind: str, codes: torch.dtype, within: float
+) -> None:
+    """--lm-head-quantization fp8 or int8: the head becomes a per-row `Fp8Linear` or
+    `Int8Linear` (a tied head a quantized copy of its own; the embedding keeps the model dtype
+    and its values); the logits stay close to the unquantized head's (int8 closer); without
+    the flag the head is untouched."""
     plain = load_model(EngineConfig(model=f"random:{shape}", dtype="float32"), CPU)
     loaded = load_model(
-        EngineConfig(model=f"random:{shape}", dtype="float32", lm_head_quantization="fp8"), CPU
+        EngineConfig(model=f"random:{shape}", dtype="float32", lm_head_quantization=kind), CPU
     )
-    assert (plain.lm_head_quantization, loaded.lm_head_quantization) == ("none", "fp8")
+    assert (plain.lm_head_quantization, loaded.lm_head_quantization) == ("none", kind)
     assert type(plain.model.lm_head) is nn.Linear
     head = loaded.model.lm_head
-    assert isinstance(head, Fp8Linear) and head.weight.dtype == torch.float8_e4m3fn
+    assert type(head) is LM_HEAD_MODULES[kind] and head.weight.dtype == codes
     assert loaded.quantization == "none"  # the projections are not asked for
     embedding = loaded.model.model.embed_tokens.weight
     assert embedding.dtype == torch.float32
@@ -139,7 +148,47 @@ def test_lm_head_quantization_flag(shape: str) -> None:
     hidden = torch.randn(5, loaded.config.hidden_size)
     logits = loaded.model.compute_logits(hidden)
     assert logits.dtype == torch.float32
-    assert _rel_err(logits, plain.model.compute_logits(hidden)) < 0.05
+    assert _rel_err(logits, plain.model.compute_logits(hidden)) < within
+
+
+def test_int8_rows_scale_each_row_to_its_maximum() -> None:
+    """`Int8Linear.from_linear`: one scale per row, `amax / 127`; every row's largest weight is
+    code +-127, the codes never -128, each weight within half a step of its code's value; a
+    zero row gets the smallest scale, not a division by zero."""
+    torch.manual_seed(1)
+    linear = _linear(24, 40, bias=True)
+    with torch.no_grad():
+        linear.weight[3] = 0.0
+    head = Int8Linear.from_linear(linear)
+    assert head.weight.dtype == torch.int8 and head.weight_scale.dtype == torch.float32
+    top = head.weight.float().abs().amax(dim=1)
+    assert (top[torch.arange(24) != 3] == 127).all() and top[3] == 0
+    assert int(head.weight.min()) >= -127
+    step = head.weight_scale[:, None]
+    error = (head.dequantized_weight(torch.float32) - linear.weight).abs()
+    assert (error <= step / 2 * (1 + 1e-6)).all()
+    assert head.bias is not None and torch.equal(head.bias, linear.bias)
+    assert "int8 per-row" in repr(head) and not head.folds_norms()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 600])  # the one-row, matrix-unit and widened products
+def test_int8_head_is_weight_only_at_every_row_count(rows: int) -> None:
+    """An int8 head never quantizes its activations: at every row count the product is the
+    float32 product of x with the dequantized weight (rounded once or, from
+    `dequantize_min_rows`, as the library GEMM on a widened copy rounds)."""
+    torch.manual_seed(rows)
+    linear = _linear(48, 64, bias=False)
+    head = Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 64)
+    expected = nn.functional.linear(x, head.dequantized_weight(torch.float32))
+    assert _rel_err(head(x), expected) < 1e-5
+    assert _rel_err(head(x), linear(x)) < 0.01
+
+
+def test_lm_head_quantization_refuses_an_unknown_kind() -> None:
+    model = load_model(EngineConfig(model="random:qwen3-tiny", dtype="float32"), CPU).model
+    with pytest.raises(ValueError, match="--lm-head-quantization"):
+        quantize_lm_head(model, "int4")
 
 
 @pytest.mark.gpu

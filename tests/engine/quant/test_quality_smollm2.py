@@ -137,6 +137,20 @@ def test_fp8_lm_head(
     assert agree.first_token >= 22 and agree.mean_common_prefix >= 4
 
 
+def test_int8_lm_head(
+    base_config: EngineConfig, token_ids: list[int], baseline: dict[str, Any]
+) -> None:
+    """--lm-head-quantization int8 on top of FP8 weights, with and without the FP8 KV cache:
+    the same bytes as an FP8 head, about a quarter of its logit error (weight-only, float32
+    products rounded once)."""
+    change, agree = _compare("fp8-weights-lm-head-int8", base_config, token_ids, baseline)
+    assert abs(change) < 0.02  # the FP8 weights' goal, head included
+    assert agree.first_token >= 24 and agree.mean_common_prefix >= 5
+    change, agree = _compare("fp8-both-lm-head-int8", base_config, token_ids, baseline)
+    assert abs(change) < 0.035  # as FP8 weights and KV without it
+    assert agree.first_token >= 24 and agree.mean_common_prefix >= 5
+
+
 def test_block_fp8_checkpoint(
     base_config: EngineConfig, token_ids: list[int], baseline: dict[str, Any],
     smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -91,6 +91,9 @@ def test_enums_defaults_and_cel_rules_are_present() -> None:
     assert engine["type"]["enum"] == ["davit", "vllm"]
     assert engine["runner"]["default"] == "auto"
     assert engine["variant"]["enum"] == ["cuda13.0", "cuda12.9", "rocm", "cpu", "xpu"]
+    assert engine["quantization"]["enum"] == ["fp8"]
+    assert engine["lmHeadQuantization"]["enum"] == ["fp8", "int8"]
+    assert "default" not in engine["lmHeadQuantization"]  # unset: the model dtype's head
     assert spec["properties"]["parallelism"]["default"]["tensor"] == 1
     gmu = spec["properties"]["limits"]["properties"]["gpuMemoryUtilization"]
     assert gmu["minimum"] == 0 and gmu["exclusiveMinimum"] is True and gmu["maximum"] == 1

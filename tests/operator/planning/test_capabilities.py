@@ -280,10 +280,93 @@ def test_a_newer_release_of_the_same_engine_is_offered_first(tmp_path: Path) -> 
     ).image.tag == ("0.2.0-cuda13.0")
 
 
+def test_the_davit_release_lists_both_lm_head_values() -> None:
+    assert DAVIT_0_1 is not None
+    assert DAVIT_0_1.capabilities.lm_head_quantization == ["fp8", "int8"]
+    for release in CATALOG.engines.engines["vllm"].releases:  # the Davit engine's own flag
+        assert release.capabilities.lm_head_quantization == []
+
+
+def _davit_lm_heads(values: list[str], newer: list[str] | None = None) -> Any:
+    """An edit: davit 0.1.0 lists `values`; with `newer`, a davit 0.2.0 (0.1.0's facts and
+    images) lists those."""
+
+    def edit(data: dict[str, Any]) -> None:
+        releases = data["engines"]["davit"]["releases"]
+        releases[0]["capabilities"]["lmHeadQuantization"] = values
+        if newer is not None:
+            release = {**releases[0], "version": "0.2.0", "tag": "0.2.0", "title": "0.2.0"}
+            release["capabilities"] = {**releases[0]["capabilities"], "lmHeadQuantization": newer}
+            release["images"] = {
+                variant: {**entry, "tag": entry["tag"].replace("0.1.0", "0.2.0")}
+                if entry.get("tag")
+                else entry
+                for variant, entry in releases[0]["images"].items()
+            }
+            releases.append(release)
+
+    return edit
+
+
+def test_a_release_listing_only_fp8_refuses_an_int8_lm_head(tmp_path: Path) -> None:
+    """A release implements an LM head value only where the catalog lists it: int8 is refused
+    by field before any pod (no other release serves it here), fp8 still plans."""
+    catalog = catalog_with(tmp_path, _davit_lm_heads(["fp8"]))
+    a100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}
+    err = refusal(make_spec(engine={"lmHeadQuantization": "int8"}, accelerator=a100), catalog)
+    assert err.reason == "UnsupportedByEngine"
+    assert (err.field, err.value) == ("engine.lmHeadQuantization", "int8")
+    assert err.message == (
+        "davit 0.1.0 does not support engine.lmHeadQuantization int8; "
+        "remove engine.lmHeadQuantization"
+    )
+    args = plan(make_spec(engine={"lmHeadQuantization": "fp8"}), catalog).invocation.args
+    assert args[args.index("--lm-head-quantization") + 1] == "fp8"
+
+
+def test_an_int8_lm_head_refusal_names_the_release_that_lists_it(tmp_path: Path) -> None:
+    catalog = catalog_with(tmp_path, _davit_lm_heads(["fp8"], newer=["fp8", "int8"]))
+    err = refusal(make_spec(engine={"lmHeadQuantization": "int8"}), catalog)
+    assert err.field == "engine.lmHeadQuantization"
+    assert err.message.endswith(
+        "remove engine.lmHeadQuantization, or serve it with engine.version >= 0.2.0"
+    )
+    args = plan(
+        make_spec(engine={"version": "0.2.0", "lmHeadQuantization": "int8"}), catalog
+    ).invocation.args
+    assert args[args.index("--lm-head-quantization") + 1] == "int8"
+
+
+def test_a_runner_rule_on_fp8_does_not_hold_for_an_int8_lm_head(tmp_path: Path) -> None:
+    """The rules' `fp8` condition is FP8 (e4m3) only: an fp8 head meets it, an int8 one not."""
+
+    def fp8_on_v1(data: dict[str, Any]) -> None:
+        rule = {"text": "FP8", "effects": ["selectsV1OnAuto", "refusedOnV2"], "when": ["fp8"]}
+        data["engines"]["davit"]["releases"][0]["runnerRules"].append(rule)
+
+    catalog = catalog_with(tmp_path, fp8_on_v1)
+    fp8 = plan(make_spec(engine={"lmHeadQuantization": "fp8"}), catalog)
+    assert fp8.runner.name == "v1" and fp8.runner.is_fallback
+    assert "engine.lmHeadQuantization fp8" in fp8.runner.reason
+    int8 = plan(make_spec(engine={"lmHeadQuantization": "int8"}), catalog)
+    assert int8.runner.name == "v2" and not int8.runner.is_fallback
+    assert plan(make_spec(engine={"runner": "v2", "lmHeadQuantization": "int8"}), catalog)
+
+
+def test_vllm_refuses_an_int8_lm_head_and_names_davit() -> None:
+    err = refusal(make_spec(engine={"type": "vllm", "version": "0.30.0",
+                                    "lmHeadQuantization": "int8"}))  # fmt: skip
+    assert err.reason == "UnsupportedByEngine"
+    assert (err.field, err.value) == ("engine.lmHeadQuantization", "int8")
+    assert "vllm 0.30.0 does not support engine.lmHeadQuantization int8" in err.message
+    assert "engine.type: davit and engine.version >= 0.1.0" in err.message
+
+
 @pytest.mark.parametrize(
     ("capabilities", "complaint"),
     [
         ({"maxTensorParallel": 0}, "maxTensorParallel"),
+        ({"lmHeadQuantization": ["int4"]}, "lmHeadQuantization"),
         ({"speculativeMethods": ["lookahead"]}, "speculativeMethods"),
         ({"unsupportedFeatures": ["warpSpeed"]}, "unsupportedFeatures"),
         ({"pipelineParallel": 2}, "pipelineParallel"),
@@ -368,3 +451,10 @@ def test_davit_tensor_parallelism_runs_on_runner_v1() -> None:
         assert args[args.index(flag) + 1] == "fp8"
     parsed = build_parser().parse_args(args)  # the engine's own parser takes them together
     assert parsed.tensor_parallel_size == 2 and parsed.lm_head_quantization == "fp8"
+    # an int8 head needs no FP8: tensor parallelism with it on an A100 (every rank its rows)
+    a100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB", "count": 2}
+    p = plan(make_spec(parallelism={"tensor": 2}, accelerator=a100,
+                       engine={"lmHeadQuantization": "int8"}))  # fmt: skip
+    assert p.runner.name == "v1"
+    parsed = build_parser().parse_args(p.invocation.args)
+    assert parsed.tensor_parallel_size == 2 and parsed.lm_head_quantization == "int8"

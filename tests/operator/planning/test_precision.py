@@ -1,20 +1,24 @@
 """FP8 in the operator: engine.quantization and engine.kvCacheDtype become upstream's flags for
 both engine types (parsed by the Davit engine's own parser), the memory estimate counts one
 byte per FP8 element, the identity changes only when they are set, and planning refuses them
-on accelerators the catalog records without FP8 and on releases that do not implement them."""
+on accelerators the catalog records without FP8 and on releases that do not implement them.
+engine.lmHeadQuantization (fp8 or int8, one byte per head weight either way) is the Davit
+engine's own flag; only its fp8 value needs FP8."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
+from davit_engine.config import LM_HEAD_QUANTIZATIONS
 from davit_engine.server.cli import build_parser
-from davit_operator.api.spec import OWNED_FLAGS, EngineSpec
+from davit_operator.api.spec import OWNED_FLAGS, EngineSpec, LmHeadQuantization
 from davit_operator.catalog.loader import Catalog, load_catalog
 from davit_operator.planning.errors import PlanError
 from davit_operator.planning.memory import (
+    ONE_BYTE_LM_HEADS,
     Precision,
     effective_limits,
     estimate_memory,
@@ -52,10 +56,21 @@ def test_vllm_gets_the_same_flags() -> None:
     assert args[args.index("--kv-cache-dtype") :][:2] == ["--kv-cache-dtype", "fp8"]
 
 
-@pytest.mark.parametrize("bad", [{"quantization": "int4"}, {"kvCacheDtype": "fp8_e5m2"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"quantization": "int4"},
+        {"quantization": "int8"},  # an LM head value only
+        {"kvCacheDtype": "fp8_e5m2"},
+        {"lmHeadQuantization": "int4"},
+        {"lmHeadQuantization": "fp8_e5m2"},
+    ],
+)
 def test_bad_values_are_refused(bad: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError) as err:
         make_spec(engine={"type": "davit", "version": "0.1.0", **bad})
+    (field,) = bad
+    assert [e["loc"] for e in err.value.errors()] == [("engine", field)]
 
 
 def test_extra_args_may_not_set_the_fp8_flags() -> None:
@@ -219,11 +234,130 @@ def test_estimate_counts_an_fp8_lm_head(shape_name: str) -> None:
     shape = SHAPES.shapes[shape_name]
     head = shape.vocab_size * shape.hidden_size
     fp8 = weight_bytes(shape, 2, Precision(1, 2))
-    with_head = weight_bytes(shape, 2, Precision(1, 2, fp8_lm_head=True))
+    with_head = weight_bytes(shape, 2, Precision(1, 2, one_byte_lm_head=True))
     if shape.tie_word_embeddings:
         assert with_head - fp8 == head + 4 * shape.vocab_size
     else:
         assert fp8 - with_head == head - 4 * shape.vocab_size
+
+
+INT8_HEAD = {"engine": {"lmHeadQuantization": "int8"}}
+A100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}
+
+
+def test_lm_head_values_are_fp8_and_int8_and_both_one_byte() -> None:
+    assert get_args(LmHeadQuantization) == ("fp8", "int8")
+    assert set(get_args(LmHeadQuantization)) == ONE_BYTE_LM_HEADS
+    schema = EngineSpec.model_json_schema(by_alias=True)["properties"]["lmHeadQuantization"]
+    assert {"enum": ["fp8", "int8"], "type": "string"} in schema["anyOf"]
+    for value in ("fp8", "int8"):
+        assert value in schema["description"]
+
+
+@pytest.mark.parametrize(
+    "accelerator",
+    [
+        A100,
+        {"vendor": "intel", "product": "Max_1550"},
+        {"vendor": "cpu", "product": None},
+        {"vendor": "nvidia", "product": "NVIDIA-H200"},
+    ],
+)
+def test_int8_lm_head_needs_no_fp8(accelerator: dict[str, Any]) -> None:
+    """An int8 head is no FP8 field: planned on accelerators the catalog records without FP8,
+    passed to the engine as --lm-head-quantization int8, named in the identity."""
+    plan = make_plan("svc", "ns", make_spec(**INT8_HEAD, accelerator=accelerator), CATALOG)
+    args = plan.invocation.args
+    assert args[args.index("--lm-head-quantization") :][:2] == ["--lm-head-quantization", "int8"]
+    assert args.count("--lm-head-quantization") == 1
+    assert "--quantization" not in args and "--kv-cache-dtype" not in args
+    assert build_parser().parse_args(args).lm_head_quantization == "int8"
+    assert profile_identity(plan)["lmHeadQuantization"] == "int8"
+
+
+def test_int8_lm_head_does_not_lift_the_fp8_refusals() -> None:
+    """With FP8 fields beside it, an A100 still refuses those fields, and only those."""
+    spec = make_spec(engine={"quantization": "fp8", "lmHeadQuantization": "int8"}, accelerator=A100)
+    with pytest.raises(PlanError) as err:
+        make_plan("svc", "ns", spec, CATALOG)
+    assert err.value.reason == "UnsupportedByAccelerator"
+    assert err.value.field == "engine.quantization"
+    assert "lmHeadQuantization" not in err.value.message
+    h200 = make_plan(
+        "svc", "ns", make_spec(engine={"quantization": "fp8", "lmHeadQuantization": "int8"}),
+        CATALOG,
+    )  # fmt: skip
+    args = h200.invocation.args
+    assert args[args.index("--quantization") + 1] == "fp8"
+    assert args[args.index("--lm-head-quantization") + 1] == "int8"
+
+
+def test_lm_head_identities_hash_apart() -> None:
+    hashes = {
+        identity_hash(profile_identity(make_plan("svc", "ns", make_spec(**o), CATALOG)))
+        for o in ({}, {"engine": {"lmHeadQuantization": "fp8"}}, INT8_HEAD)
+    }
+    assert len(hashes) == 3
+
+
+def test_the_engine_takes_every_lm_head_value_the_api_and_catalog_name() -> None:
+    """The API's values are the engine's; every value a Davit release lists reaches the engine
+    as a flag its own parser reads."""
+    assert set(get_args(LmHeadQuantization)) == set(LM_HEAD_QUANTIZATIONS)
+    listed = [
+        value
+        for release in CATALOG.engines.engines["davit"].releases
+        for value in release.capabilities.lm_head_quantization
+    ]
+    assert set(listed) == {"fp8", "int8"}
+    for value in listed:
+        args = _args(engine={"lmHeadQuantization": value})
+        assert build_parser().parse_args(args).lm_head_quantization == value
+
+
+@pytest.mark.parametrize("value", ["fp8", "int8"])
+def test_precision_of_either_lm_head_is_one_byte(value: str) -> None:
+    spec = make_spec(engine={"lmHeadQuantization": value})
+    assert Precision.of(spec) == Precision(one_byte_lm_head=True)
+    assert Precision.of(make_spec()) == Precision(one_byte_lm_head=False)
+
+
+@pytest.mark.parametrize("shape_name", ["llama-3.1-8b", "qwen3-0.6b"])  # untied, tied
+def test_estimate_counts_an_int8_lm_head_as_an_fp8_one(shape_name: str) -> None:
+    """One byte per head weight and a float32 scale per row, against the model dtype's two
+    bytes per weight: an untied head saves the difference, a tied one adds its copy."""
+    shape = SHAPES.shapes[shape_name]
+    head = shape.vocab_size * shape.hidden_size
+    plain = weight_bytes(shape, 2, Precision.of(make_spec()))
+    int8 = weight_bytes(shape, 2, Precision.of(make_spec(**INT8_HEAD)))
+    fp8 = weight_bytes(shape, 2, Precision.of(make_spec(engine={"lmHeadQuantization": "fp8"})))
+    assert int8 == fp8
+    if shape.tie_word_embeddings:
+        assert int8 - plain == head + 4 * shape.vocab_size
+    else:
+        assert plain - int8 == head - 4 * shape.vocab_size
+
+
+def test_plan_estimate_counts_an_int8_lm_head_on_an_a100() -> None:
+    """Llama-3.1-8B (untied, 128256 x 4096 head) on an A100: the int8 head's estimate is the
+    FP8 head's on an H200 in weights, about 0.5 GB below the bf16 head's, and the KV cache gets
+    the difference."""
+    spec = {**RANDOM_8B, "limits": {"maxModelLen": 8192}, "accelerator": A100}
+    bf16 = make_plan("svc", "ns", make_spec(**spec), CATALOG).memory
+    int8 = make_plan("svc", "ns", make_spec(**spec, **INT8_HEAD), CATALOG).memory
+    h200 = {**spec, "accelerator": {"vendor": "nvidia", "product": "NVIDIA-H200"}}
+    fp8 = make_plan("svc", "ns", make_spec(**h200, engine={"lmHeadQuantization": "fp8"}),
+                    CATALOG).memory  # fmt: skip
+    assert bf16 is not None and int8 is not None and fp8 is not None
+    assert bf16.source == int8.source == "estimate"
+    assert bf16.weights_bytes is not None and int8.weights_bytes is not None
+    shape = SHAPES.shapes["llama-3.1-8b"]
+    saved = shape.vocab_size * shape.hidden_size - 4 * shape.vocab_size
+    assert bf16.weights_bytes - int8.weights_bytes == saved
+    assert saved == pytest.approx(0.525e9, rel=0.01)
+    assert int8.weights_bytes == fp8.weights_bytes
+    assert bf16.kv_cache_bytes is not None and int8.kv_cache_bytes is not None
+    assert int8.kv_cache_bytes > bf16.kv_cache_bytes
 
 
 def _shapes_with_fp8_checkpoint() -> Any:
@@ -236,7 +370,6 @@ def _shapes_with_fp8_checkpoint() -> Any:
 
 
 FP8_CHECKPOINT = {"model": {"source": "random://llama-3.1-8b-fp8", "revision": None}}
-A100 = {"vendor": "nvidia", "product": "NVIDIA-A100-SXM4-80GB"}
 
 
 def test_fp8_checkpoint_on_an_accelerator_without_fp8_is_refused_for_davit() -> None:

@@ -898,6 +898,19 @@ VARIANTS = {
     "fp8-both": Variant("fp8-both", "fp8", "fp8"),
     # and the LM head's weight in FP8 (lossy, its own flag)
     "fp8-both-lm-head": Variant("fp8-both-lm-head", "fp8", "fp8", lm_head_quantization="fp8"),
+    # or in int8 (per-row scales: about four times FP8's precision at the same bytes), its
+    # codes widened with packed instructions, and with the compiler's conversion
+    # (fp8_gemv.INT8_WIDEN_PRMT off)
+    "fp8-both-lm-head-int8": Variant(
+        "fp8-both-lm-head-int8", "fp8", "fp8", lm_head_quantization="int8"
+    ),
+    "fp8-both-lm-head-int8-cvt": Variant(
+        "fp8-both-lm-head-int8-cvt",
+        "fp8",
+        "fp8",
+        (("davit_engine.kernels.fp8_gemv", "INT8_WIDEN_PRMT", False),),
+        lm_head_quantization="int8",
+    ),
     # SiLU x up as its own kernel after the gate/up product, not in its epilogue
     "fp8-both-separate-silu": Variant(
         "fp8-both-separate-silu",
@@ -1092,7 +1105,7 @@ def variant_named(name: str) -> Variant:
 def w2_floor_bytes(w2: W2, variant: Variant) -> int:
     """Bytes one W2 decode step must read at the floor context: every decoder projection at 1
     byte per weight (plus its float32 channel scales) with FP8 weights, else 2; the LM head at
-    1 (plus a float32 scale per row) with an FP8 head, else 2; norms at 2; K and V at 1 or 2
+    1 (plus a float32 scale per row) with an FP8 or int8 head, else 2; norms at 2; K and V at 1 or 2
     bytes per element."""
     c = model_shape(w2.model)
     per_layer_proj = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size

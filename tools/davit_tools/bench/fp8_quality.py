@@ -52,6 +52,14 @@ CONFIGS = (
     QualityConfig(
         "fp8-both-lm-head", quantization="fp8", kv_cache_dtype="fp8", lm_head_quantization="fp8"
     ),
+    # or in int8 (per-row scales, about four times FP8's precision at the same bytes)
+    QualityConfig("fp8-weights-lm-head-int8", quantization="fp8", lm_head_quantization="int8"),
+    QualityConfig(
+        "fp8-both-lm-head-int8",
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        lm_head_quantization="int8",
+    ),
 )
 
 
