@@ -50,7 +50,7 @@ def test_defaults() -> None:
         (["--drain-timeout", "-3"], "--drain-timeout"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--runner", "v3"], "--runner"),
-        (["--lm-head-quantization", "int8"], "--lm-head-quantization"),
+        (["--lm-head-quantization", "int4"], "--lm-head-quantization"),
         (["--fp8-block-scales", "blocks"], "--fp8-block-scales"),
         (["--no-enable-chunked-prefill", "--max-model-len", "4096"], "--max-num-batched-tokens"),
         (["--bogus-flag"], "--bogus-flag"),
@@ -70,6 +70,8 @@ def test_fp8_flags_map_onto_the_engine_config() -> None:
     assert (config.quantization, config.lm_head_quantization) == ("fp8", "fp8")
     config, _, _ = parse_args(["m.gguf", "--quantization", "fp8"])
     assert config.lm_head_quantization is None  # the head is quantized only when asked
+    config, _, _ = parse_args(["m.gguf", "--lm-head-quantization", "int8"])
+    assert (config.quantization, config.lm_head_quantization) == (None, "int8")
     assert config.fp8_block_scales == "channel"  # block checkpoints: converted unless asked
     config, _, _ = parse_args(["m.gguf", "--fp8-block-scales", "native"])
     assert config.fp8_block_scales == "native"
