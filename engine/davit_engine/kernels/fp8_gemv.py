@@ -141,12 +141,14 @@ INT8_WIDEN_PRMT = True
 
 
 def int8_prmt(weight: torch.Tensor) -> bool:
-    """Whether the product widens `weight`'s codes with `_INT8_TO_F16`: int8 codes on a GPU
-    (the interpreter runs no inline assembly), where `INT8_WIDEN_PRMT` is on."""
+    """Whether the product widens `weight`'s codes with `_INT8_TO_F16`: int8 codes on an NVIDIA
+    GPU (the assembly is PTX: not under ROCm, and the interpreter runs none), where
+    `INT8_WIDEN_PRMT` is on."""
     return (
         INT8_WIDEN_PRMT
         and weight.dtype == torch.int8
         and weight.device.type == "cuda"
+        and torch.version.hip is None
         and not interpreted()
     )
 
