@@ -84,8 +84,9 @@ def test_a_safetensors_directory_is_cut_per_rank_as_it_loads(qwen3_tiny_dir: Pat
         {"kv_cache_dtype": "fp8"},
         {"quantization": "fp8", "lm_head_quantization": "fp8"},
         {"kv_cache_dtype": "fp8", "lm_head_quantization": "fp8"},
+        {"quantization": "fp8", "lm_head_quantization": "int8"},
     ],
-    ids=["weights", "kv", "weights-lm-head", "kv-lm-head"],
+    ids=["weights", "kv", "weights-lm-head", "kv-lm-head", "weights-int8-lm-head"],
 )
 def test_fp8_two_ranks_match_one_token_for_token(args: dict[str, Any]) -> None:
     """FP8 weights are quantized before they are cut (a row-parallel projection's channel
