@@ -8,7 +8,8 @@
 # block-scale checks (block_native). On another card:
 # $H100_CMD if set, else block_native.
 #   [H100_CMD='bench --sections w2-profile ...'] [GOALS_BUDGET_S=450] [GOALS_ROUNDS=3] \
-#   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head,bf16] bash hack/device/goals_call.sh  (under $OUT)
+#   [GOALS_W2_VARIANTS=fp8-both,fp8-both-lm-head-int8,fp8-both-lm-head-int8-cvt,bf16] \
+#   bash hack/device/goals_call.sh  (under $OUT)
 set -u
 # env.sh is sourced from the repository root, where the device runs commands
 # shellcheck source=/dev/null
@@ -35,7 +36,7 @@ case "$GPU" in
   # in order of need, each step only while GOALS_BUDGET_S (default 450) leaves it time
   budget=${GOALS_BUDGET_S:-450}
   bench --sections w1,w2 --rounds "${GOALS_ROUNDS:-3}" --deadline-s 120 --w1-variants bf16,fp8-kv \
-    --w2-variants "${GOALS_W2_VARIANTS:-fp8-both,fp8-both-lm-head,bf16}"
+    --w2-variants "${GOALS_W2_VARIANTS:-fp8-both,fp8-both-lm-head-int8,fp8-both-lm-head-int8-cvt,bf16}"
   if [ $SECONDS -lt $((budget - 120)) ]; then
     bench --sections decode-tiles,gemm --gemm-rows 1 --gemm-configs "" --deadline-s 130 \
       --gemv-configs "$(printf '%s;' 8/512/4/0 4/1024/4/0 16/512/4/0 8/1024/4/0 \
