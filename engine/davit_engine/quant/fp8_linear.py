@@ -268,6 +268,7 @@ class Int8Linear(Fp8Linear):
     needs no FP8 hardware. The CPU computes the same float32 products in plain torch."""
 
     code_dtype = torch.int8
+    # every row count weight-only: int8 codes never reach the FP8 library GEMM
     weight_only_max_rows = sys.maxsize
 
     @staticmethod
@@ -282,9 +283,6 @@ class Int8Linear(Fp8Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight=int8 per-row"
         )
-
-    def _uses_library_gemm(self, x: torch.Tensor) -> bool:
-        return False
 
 
 # The largest int8 code `Int8Linear` uses (symmetric: -128 is never written).
