@@ -8,7 +8,8 @@ matrix-unit tile) and the library route's activation quantization alone (`quanti
 
 Run on the GPU machine from the repository root:
 `. hack/device/env.sh && python3 hack/device/block_native_probe.py [rows,...]`; with `gated`, the
-gate/up projection's one-row forms only (plain, gated, normed, both).
+gate/up projection's one-row forms only (plain, gated, normed, both; native's also without the
+one-row register cap, `fp8_block.ONE_ROW_MAX_REGISTERS`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import torch
 
+from davit_engine.kernels import fp8_block
 from davit_engine.kernels.fp8_block import block_weight_matmul, quantize_groups, widen_blocks
 from davit_engine.models.config import WeightBlocks
 from davit_engine.quant.block_fp8 import channel_scales_from_blocks, expand_block_scales
@@ -75,6 +77,14 @@ def gated() -> None:
             for form, fn in forms.items():
                 fn()
                 row[f"{name}_{form}_us"] = round(_us(fn), 2)
+        cap = fp8_block.ONE_ROW_MAX_REGISTERS
+        fp8_block.ONE_ROW_MAX_REGISTERS = None
+        for form in ("plain", "normed_gated"):
+            fn = {"plain": lambda: native(x),
+                  "normed_gated": lambda: native.forward_normed(x, squares, 1e-5, gated=True)}[form]  # fmt: skip
+            fn()
+            row[f"native_{form}_uncapped_us"] = round(_us(fn), 2)
+        fp8_block.ONE_ROW_MAX_REGISTERS = cap
     print(json.dumps(row))
 
 

@@ -49,6 +49,12 @@ GEMV_MAX_ROWS = 2
 TILE_SMALL_M = 16
 TILE_LARGE_M = 64
 TILE_N = 64
+# Registers a thread of a one-row matrix-vector launch may take (None: the compiler's count).
+# Compiled for sm_90, every one-row form takes 32 at the 4-warp tiles except the gated one with
+# the norm's 1/rms, which took 40: 12 programs a multiprocessor instead of 16, the likely cost
+# of its 6 us over the plain product at gate/up (bench notes, runs 33 and 37). At 32 its K loop
+# is the plain form's and nothing spills; the other forms compile to the same code either way.
+ONE_ROW_MAX_REGISTERS: int | None = 32
 
 
 def kernel_group(group: int) -> bool:
@@ -66,18 +72,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
     assert kernel_group(group), group
 
 
-def _gemv_tile(n_w: int, k: int, group: int, device: torch.device) -> dict[str, int]:
-    """The matrix-vector kernel's tile for W [n_w, k]: the per-channel one-row product's
-    (`fp8_gemv.default_config`: 8 rows x 512 columns where that gives enough programs, else
-    4 x 1,024), a K step at least one group."""
+def _gemv_tile(
+    n_w: int, k: int, group: int, device: torch.device, two_rows: bool = False
+) -> dict[str, int | bool]:
+    """The matrix-vector kernel's launch arguments for W [n_w, k]: the per-channel one-row
+    product's tile (`fp8_gemv.default_config`: 8 rows x 512 columns where that gives enough
+    programs, else 4 x 1,024), a K step at least one group; at one row, capped at
+    `ONE_ROW_MAX_REGISTERS`."""
     config = default_config(1, n_w, device)
     block_k = max(config.block_k, group)
-    return {
+    tile: dict[str, int | bool] = {
         "BLOCK_N": config.block_n,
         "BLOCK_K": block_k,
         "EVEN_K": k % block_k == 0,
+        "TWO_ROWS": two_rows,
         "num_warps": config.num_warps,
     }
+    if not two_rows and ONE_ROW_MAX_REGISTERS is not None and torch.version.hip is None:
+        tile["maxnreg"] = ONE_ROW_MAX_REGISTERS
+    return tile
 
 
 @triton.jit
@@ -259,11 +272,11 @@ def block_weight_matmul(
     groups = scale.shape[1]
     bias_arg = bias if bias is not None else scale
     if num_rows <= GEMV_MAX_ROWS:
-        tile = _gemv_tile(n, k, group, x.device)
+        tile = _gemv_tile(n, k, group, x.device, two_rows=num_rows == 2)
         _block_gemv_kernel[(triton.cdiv(n, tile["BLOCK_N"]), 1)](
             x, weight, scale, bias_arg, out, n, k, groups, x.stride(0), out.stride(0),
             scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-            HAS_BIAS=bias is not None, GROUP=group, TWO_ROWS=num_rows == 2, **tile,
+            HAS_BIAS=bias is not None, GROUP=group, **tile,
             **pdl_launch(x.device),
         )  # fmt: skip
         return out
@@ -299,11 +312,11 @@ def block_gemv_silu_mul(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    tile = _gemv_tile(n_w, k, group, x.device)
+    tile = _gemv_tile(n_w, k, group, x.device, two_rows=num_rows == 2)
     _block_gemv_kernel[(triton.cdiv(n_w, tile["BLOCK_N"]), 1)](
         x, weight, scale, bias if bias is not None else scale, out, n, k, scale.shape[1],
         x.stride(0), out.stride(0), scale.stride(0), scale.stride(1), out, scale, scale, 0, 0.0,
-        HAS_BIAS=bias is not None, GROUP=group, GATED=True, TWO_ROWS=num_rows == 2, **tile,
+        HAS_BIAS=bias is not None, GROUP=group, GATED=True, **tile,
         **pdl_launch(x.device),
     )  # fmt: skip
     return out

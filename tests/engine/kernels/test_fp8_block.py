@@ -182,16 +182,40 @@ def test_one_row_chain_with_the_norm_folded_in(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])
-def test_one_row_chain_with_the_norm_folded_in_real_shapes(n: int, gated: bool) -> None:
-    """Llama-3.1-8B's shapes in bf16 with 128-column groups: o then q/k/v, down then gate/up."""
-    _block_norm_chain_case(torch.device("cuda"), torch.bfloat16, n, 4096,
-                           14336 if gated else 4096, 128, gated, False)  # fmt: skip
+def test_one_row_chain_with_the_norm_folded_in_real_shapes(
+    n: int, gated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama-3.1-8B's shapes in bf16 with 128-column groups: o then q/k/v, down then gate/up;
+    the consumer's output is the same bit for bit without the one-row register cap."""
+    from davit_engine.kernels import fp8_block
+
+    args = (torch.device("cuda"), torch.bfloat16, n, 4096, 14336 if gated else 4096, 128)
+    capped = _block_norm_chain_case(*args, gated, False)
+    monkeypatch.setattr(fp8_block, "ONE_ROW_MAX_REGISTERS", None)
+    assert torch.equal(_block_norm_chain_case(*args, gated, False), capped)
+
+
+def test_one_row_launches_take_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The matrix-vector kernel's one-row launches are capped at `ONE_ROW_MAX_REGISTERS`
+    (the gated form with the norm's 1/rms compiled to 40 registers uncapped: fewer programs a
+    multiprocessor); two rows keep the compiler's count, and None turns the cap off."""
+    from davit_engine.kernels import fp8_block
+
+    cpu = torch.device("cpu")
+    one = fp8_block._gemv_tile(28672, 4096, 128, cpu)
+    assert one["maxnreg"] == fp8_block.ONE_ROW_MAX_REGISTERS == 32
+    assert one["TWO_ROWS"] is False and one["EVEN_K"] is True
+    two = fp8_block._gemv_tile(28672, 4096, 128, cpu, two_rows=True)
+    assert "maxnreg" not in two and two["TWO_ROWS"] is True
+    monkeypatch.setattr(fp8_block, "ONE_ROW_MAX_REGISTERS", None)
+    assert "maxnreg" not in fp8_block._gemv_tile(28672, 4096, 128, cpu)
 
 
 def _block_norm_chain_case(
     device: torch.device, dtype: torch.dtype, n: int, k: int, k_in: int, group: int,
     gated: bool, bias: bool,
-) -> None:  # fmt: skip
+) -> torch.Tensor:  # fmt: skip
+    """Runs the chain's checks; returns the consumer's output."""
     from davit_engine.kernels.fp8_block import block_gemv_add_norm, block_gemv_normed
     from davit_engine.kernels.layer_ops import add_rms_norm, silu_mul
 
@@ -226,3 +250,4 @@ def _block_norm_chain_case(
         block_gemv_normed(torch.cat([xw, xw]), squares, eps, w_next, s_next, group)
     with pytest.raises(ValueError, match="one row only"):
         block_gemv_add_norm(torch.cat([x, x]), w_o, s_o, group, fused_res, norm_w)
+    return out
