@@ -63,8 +63,22 @@ def services(cluster: LocalCluster, namespace: str) -> dict[str, dict[str, Any]]
 def wait_ready(
     cluster: LocalCluster, namespace: str, names: list[str], timeout: float = 120.0
 ) -> dict[str, dict[str, Any]]:
+    seen: dict[str, Any] = {}
+
     def probe() -> dict[str, dict[str, Any]] | None:
         current = services(cluster, namespace)
+        seen.update(
+            {
+                n: {
+                    "Ready": condition(current.get(n, {}), "Ready"),
+                    "observedGeneration": (current.get(n, {}).get("status") or {}).get(
+                        "observedGeneration"
+                    ),
+                    "generation": current.get(n, {}).get("metadata", {}).get("generation"),
+                }
+                for n in names
+            }
+        )
         ok = all(
             condition(current.get(n, {}), "Ready").get("status") == "True"
             and current[n]["status"].get("observedGeneration")
@@ -73,7 +87,10 @@ def wait_ready(
         )
         return current if ok else None
 
-    result: dict[str, dict[str, Any]] = wait_for(f"{names} Ready", probe, timeout=timeout)
+    try:
+        result: dict[str, dict[str, Any]] = wait_for(f"{names} Ready", probe, timeout=timeout)
+    except pytest.fail.Exception as failed:  # say what was seen last, not only "None"
+        pytest.fail(f"{failed}; last seen: {seen}")
     return result
 
 
