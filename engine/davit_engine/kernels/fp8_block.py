@@ -51,9 +51,10 @@ TILE_LARGE_M = 64
 TILE_N = 64
 # Registers a thread of a one-row matrix-vector launch may take (None: the compiler's count).
 # Compiled for sm_90, every one-row form takes 32 at the 4-warp tiles except the gated one with
-# the norm's 1/rms, which took 40: 12 programs a multiprocessor instead of 16, the likely cost
-# of its 6 us over the plain product at gate/up (bench notes, runs 33 and 37). At 32 its K loop
-# is the plain form's and nothing spills; the other forms compile to the same code either way.
+# the norm's 1/rms, which took 40: 12 programs a multiprocessor instead of 16. At 32 its K loop
+# is the plain form's and nothing spills, and on an H100 it took 44.6 us at gate/up against
+# 49.8 uncapped (bench notes, run 37); the other forms compile to the same code either way.
+# A CUDA compiler option: not passed under ROCm.
 ONE_ROW_MAX_REGISTERS: int | None = 32
 
 
