@@ -66,25 +66,30 @@ def gated() -> None:
     x = torch.randn(1, k, device="cuda").bfloat16()
     squares = torch.rand(256, device="cuda")
     row: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "shape": "gate_up", "rows": 1}
-    with torch.no_grad():
-        for name, m in (("native", native), ("channel", channel)):
-            forms = {
-                "plain": lambda m=m: m(x),
-                "gated": lambda m=m: m.forward_silu_mul(x),
-                "normed": lambda m=m: m.forward_normed(x, squares, 1e-5, gated=False),
-                "normed_gated": lambda m=m: m.forward_normed(x, squares, 1e-5, gated=True),
-            }
-            for form, fn in forms.items():
+
+    def forms(m):  # type: ignore[no-untyped-def]
+        return {
+            "plain": lambda: m(x),
+            "gated": lambda: m.forward_silu_mul(x),
+            "normed": lambda: m.forward_normed(x, squares, 1e-5, gated=False),
+            "normed_gated": lambda: m.forward_normed(x, squares, 1e-5, gated=True),
+        }
+
+    def time_forms(label: str, m, names: tuple[str, ...] = ()) -> None:  # type: ignore[no-untyped-def]
+        for form, fn in forms(m).items():  # every form unless `names` picks some
+            if not names or form in names:
                 fn()
-                row[f"{name}_{form}_us"] = round(_us(fn), 2)
+                row[label.format(form)] = round(_us(fn), 2)
+
+    with torch.no_grad():
+        time_forms("native_{}_us", native)
+        time_forms("channel_{}_us", channel)
         cap = fp8_block.ONE_ROW_MAX_REGISTERS
         fp8_block.ONE_ROW_MAX_REGISTERS = None
-        for form in ("plain", "normed_gated"):
-            fn = {"plain": lambda: native(x),
-                  "normed_gated": lambda: native.forward_normed(x, squares, 1e-5, gated=True)}[form]  # fmt: skip
-            fn()
-            row[f"native_{form}_uncapped_us"] = round(_us(fn), 2)
-        fp8_block.ONE_ROW_MAX_REGISTERS = cap
+        try:
+            time_forms("native_{}_uncapped_us", native, ("plain", "normed_gated"))
+        finally:
+            fp8_block.ONE_ROW_MAX_REGISTERS = cap
     print(json.dumps(row))
 
 

@@ -67,22 +67,16 @@ def wait_ready(
 
     def probe() -> dict[str, dict[str, Any]] | None:
         current = services(cluster, namespace)
-        seen.update(
-            {
-                n: {
-                    "Ready": condition(current.get(n, {}), "Ready"),
-                    "observedGeneration": (current.get(n, {}).get("status") or {}).get(
-                        "observedGeneration"
-                    ),
-                    "generation": current.get(n, {}).get("metadata", {}).get("generation"),
-                }
-                for n in names
+        for n in names:
+            obj = current.get(n, {})
+            seen[n] = {
+                "Ready": condition(obj, "Ready"),
+                "observedGeneration": (obj.get("status") or {}).get("observedGeneration"),
+                "generation": obj.get("metadata", {}).get("generation"),
             }
-        )
         ok = all(
-            condition(current.get(n, {}), "Ready").get("status") == "True"
-            and current[n]["status"].get("observedGeneration")
-            == current[n]["metadata"]["generation"]
+            seen[n]["Ready"].get("status") == "True"
+            and seen[n]["observedGeneration"] == seen[n]["generation"]
             for n in names
         )
         return current if ok else None

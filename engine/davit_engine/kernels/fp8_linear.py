@@ -234,8 +234,9 @@ _WIDEN_BLOCK = 4096
 
 def widen_fp8(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 (or int8) tensor widened exactly to `dtype` (bf16, fp16 or fp32 hold every e4m3
-    value and every int8 code): `weight.to(dtype)`'s values. On the GPU a Triton kernel does it: torch's own conversion
-    of FP8 ran at about a third of the copy bandwidth (bench notes, run 25)."""
+    value and every int8 code): `weight.to(dtype)`'s values. On the GPU a Triton kernel does
+    it: torch's own conversion of FP8 ran at about a third of the copy bandwidth (bench notes,
+    run 25)."""
     assert weight.dtype in fp8_gemv.WEIGHT_DTYPES and weight.is_contiguous()
     if weight.device.type != "cuda" and not interpreted():
         return weight.to(dtype)
